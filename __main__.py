@@ -1,0 +1,3 @@
+from normspec.conformance.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""`jax`: Flax NNX LayerNorm, RMSNorm and BatchNorm, with jax.vjp for gradients.
+
+Translations, and nothing else:
+- momentum: the spec's a weights the new batch; Flax's momentum weights the old value,
+  so Flax gets 1 - a.
+- dtype: Flax's `dtype` (its output dtype) is set to the input dtype, as the protocol asks.
+- layout: BatchNorm's channel axis is 1 (axis=1); several normalized axes become Flax
+  reduction_axes/feature_axes with a flat scale of prod(normalized_shape) entries.
+- modes: train()/eval() map to use_running_average; track_running_stats=False keeps
+  batch statistics in eval (Flax has no such switch, so the adapter never asks for the
+  running average) and reports no running statistics.
+Flax's own defaults stay as they are (use_fast_variance=True among them): what they do
+to the numbers is what normspec reports.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .protocol import (
+    Backend,
+    BackendUnavailable,
+    BatchNormLayer,
+    Capabilities,
+    Conventions,
+    Result,
+)
+
+
+def _import():
+    try:
+        import flax
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+    except ImportError as exc:
+        raise BackendUnavailable(f"jax/flax is not installed: {exc}") from exc
+    jax.config.update("jax_enable_x64", True)  # float64 is one of the dtypes under test
+    return flax, jax, jnp, nnx
+
+
+def _np(a):
+    return None if a is None else np.asarray(a).copy()
+
+
+class FlaxBackend(Backend):
+    name = "jax"
+    capabilities = Capabilities(no_grad_mode=False, cumulative_momentum=False)
+    conventions = Conventions(
+        default_eps={"layer_norm": 1e-6, "rms_norm": 1e-6, "batch_norm": 1e-5},
+        native_momentum="momentum=0.99 weights the old running value (1 - PyTorch's)",
+        running_var_estimator="biased",
+        half_compute_dtype="float32 (statistics promoted to at least float32)",
+    )
+
+    def __init__(self):
+        self.flax, self.jax, self.jnp, self.nnx = _import()
+        self.version = f"flax {self.flax.__version__}, jax {self.jax.__version__}"
+
+    def _rngs(self):
+        return self.nnx.Rngs(0)
+
+    def _set(self, param, value, shape):
+        if value is not None:
+            param.set_value(self.jnp.asarray(np.asarray(value).reshape(shape)))
+
+    def _apply(self, module, x, grad_output, names, shape):
+        """Run a stateless module; with grad_output, the VJP w.r.t. x and named params."""
+        jax, jnp, nnx = self.jax, self.jnp, self.nnx
+        x_j = jnp.asarray(x)
+        if grad_output is None:
+            return Result(_np(module(x_j)))
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+        def f(xv, pv):
+            return nnx.merge(graphdef, pv, rest)(xv)
+
+        y, vjp = jax.vjp(f, x_j, params)
+        gx, gp = vjp(jnp.asarray(grad_output))
+        grads = [None if n is None else _np(gp[n].get_value()).reshape(shape) for n in names]
+        return Result(_np(y), _np(gx), *grads)
+
+    def _axes_kwargs(self, normalized_shape):
+        axes = tuple(range(-len(normalized_shape), 0))
+        return dict(reduction_axes=axes, feature_axes=axes), math.prod(normalized_shape)
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        shape = tuple(normalized_shape)
+        kw, n = self._axes_kwargs(shape)
+        m = self.nnx.LayerNorm(n, epsilon=eps, use_scale=weight is not None,
+                               use_bias=bias is not None, param_dtype=x.dtype,
+                               rngs=self._rngs(), **kw)
+        self._set(m.scale, weight, (n,)) if weight is not None else None
+        self._set(m.bias, bias, (n,)) if bias is not None else None
+        names = ["scale" if weight is not None else None, "bias" if bias is not None else None]
+        return self._apply(m, x, grad_output, names, shape)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        shape = tuple(normalized_shape)
+        kw, n = self._axes_kwargs(shape)
+        m = self.nnx.RMSNorm(n, epsilon=eps, use_scale=weight is not None, param_dtype=x.dtype,
+                             rngs=self._rngs(), **kw)
+        self._set(m.scale, weight, (n,)) if weight is not None else None
+        return self._apply(m, x, grad_output, ["scale" if weight is not None else None], shape)
+
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        jnp, d = self.jnp, q.shape[-1]
+        norms = []
+        for w in (q_weight, k_weight):
+            m = self.nnx.RMSNorm(d, epsilon=eps, use_scale=w is not None, param_dtype=q.dtype,
+                                 rngs=self._rngs())
+            self._set(m.scale, w, (d,)) if w is not None else None
+            norms.append(m)
+        q_hat, k_hat = norms[0](jnp.asarray(q)), norms[1](jnp.asarray(k))
+        s = jnp.matmul(q_hat, jnp.swapaxes(k_hat, -1, -2)) * jnp.asarray(scale, q_hat.dtype)
+        return _np(s.astype(q.dtype))
+
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        if momentum is None:
+            raise NotImplementedError("Flax BatchNorm has no cumulative-average momentum")
+        m = self.nnx.BatchNorm(num_features, axis=1, momentum=1.0 - momentum, epsilon=eps,
+                               use_bias=affine, use_scale=affine, dtype=np.dtype(dtype),
+                               param_dtype=np.dtype(dtype),
+                               rngs=self._rngs())
+        if affine:
+            self._set(m.scale, weight, (num_features,)) if weight is not None else None
+            self._set(m.bias, bias, (num_features,)) if bias is not None else None
+        return FlaxBatchNorm(self, m, track_running_stats)
+
+
+class FlaxBatchNorm(BatchNormLayer):
+    def __init__(self, backend, module, track):
+        self.b, self.module, self.track = backend, module, track
+        self.training = True
+
+    def _use_running_average(self):
+        return (not self.training) and self.track
+
+    def forward(self, x, grad_output=None):
+        jax, jnp, nnx = self.b.jax, self.b.jnp, self.b.nnx
+        ura = self._use_running_average()
+        x_j = jnp.asarray(x)
+        if grad_output is None:
+            return Result(_np(self.module(x_j, use_running_average=ura)))
+        graphdef, params, stats, rest = nnx.split(self.module, nnx.Param, nnx.BatchStat, ...)
+
+        def f(xv, pv, sv):  # statistics go in traced so the forward may update them
+            m = nnx.merge(graphdef, pv, sv, rest)
+            return m(xv, use_running_average=ura), nnx.state(m, nnx.BatchStat)
+
+        y, vjp, new_stats = jax.vjp(f, x_j, params, stats, has_aux=True)
+        nnx.update(self.module, new_stats)
+        gx, gp, _ = vjp(jnp.asarray(grad_output))
+        gw = _np(gp["scale"].get_value()) if "scale" in gp else None
+        gb = _np(gp["bias"].get_value()) if "bias" in gp else None
+        return Result(_np(y), _np(gx), gw, gb)
+
+    @property
+    def running_mean(self):
+        return _np(self.module.mean.get_value()) if self.track else None
+
+    @property
+    def running_var(self):
+        return _np(self.module.var.get_value()) if self.track else None
+
+
+def make_backend() -> FlaxBackend:
+    return FlaxBackend()

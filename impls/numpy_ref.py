@@ -1,0 +1,173 @@
+"""`numpy`: a plain NumPy backend, written independently of the oracle.
+
+It computes in the input's own precision (float16 and bfloat16 in float32, cast back
+once), with a two-pass variance, the way a careful hand-written kernel would. It is the
+baseline the project's deliberately broken backends are derived from, and a worked
+example of the protocol for third parties. It does not import normspec.spec: a backend
+that consulted the oracle would be checking itself.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .protocol import Backend, BatchNormLayer, Capabilities, Conventions, Result
+
+HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def compute_dtype(dtype) -> np.dtype:
+    return np.dtype(np.float32) if np.dtype(dtype) in HALF else np.dtype(dtype)
+
+
+def _up(a, ct):
+    return None if a is None else np.asarray(a).astype(ct)
+
+
+def _axes(x, normalized_shape):
+    n = len(normalized_shape) if isinstance(normalized_shape, (tuple, list)) else 1
+    return tuple(range(x.ndim - n, x.ndim))
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    version = np.__version__
+    capabilities = Capabilities(no_grad_mode=False)
+    conventions = Conventions(
+        default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6, "batch_norm": 1e-5},
+        native_momentum="weight of the new batch (PyTorch's meaning)",
+    )
+
+    # --- statistics, overridable one at a time by the test-suite's broken variants ---
+    def mean(self, v, axes):
+        return v.mean(axis=axes, keepdims=True)
+
+    def variance(self, v, axes, mu):
+        return ((v - mu) ** 2).mean(axis=axes, keepdims=True)
+
+    def mean_square(self, v, axes):
+        return (v * v).mean(axis=axes, keepdims=True)
+
+    def inv_std(self, var, eps):
+        return 1.0 / np.sqrt(var + eps)
+
+    # --- LayerNorm (F2) ---
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        ct = compute_dtype(x.dtype)
+        xc, w, b = _up(x, ct), _up(weight, ct), _up(bias, ct)
+        axes = _axes(xc, normalized_shape)
+        mu = self.mean(xc, axes)
+        r = self.inv_std(self.variance(xc, axes, mu), ct.type(eps))
+        x_hat = (xc - mu) * r
+        y = x_hat * w if w is not None else x_hat
+        y = y + b if b is not None else y
+        if grad_output is None:
+            return Result(y.astype(x.dtype))
+        g = _up(grad_output, ct)
+        h = g * w if w is not None else g
+        gx = r * (h - h.mean(axis=axes, keepdims=True)
+                  - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
+        lead = tuple(range(axes[0]))
+        gw = (g * x_hat).sum(axis=lead).astype(x.dtype) if w is not None else None
+        gb = g.sum(axis=lead).astype(x.dtype) if b is not None else None
+        return Result(y.astype(x.dtype), gx.astype(x.dtype), gw, gb)
+
+    # --- RMSNorm (F3) ---
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        ct = compute_dtype(x.dtype)
+        xc, w = _up(x, ct), _up(weight, ct)
+        axes = _axes(xc, normalized_shape)
+        r = self.inv_std(self.mean_square(xc, axes), ct.type(eps))
+        y = xc * r * w if w is not None else xc * r
+        if grad_output is None:
+            return Result(y.astype(x.dtype))
+        g = _up(grad_output, ct)
+        h = g * w if w is not None else g
+        gx = r * (h - xc * r * r * (h * xc).mean(axis=axes, keepdims=True))
+        gw = (g * xc * r).sum(axis=tuple(range(axes[0]))).astype(x.dtype) if w is not None else None
+        return Result(y.astype(x.dtype), gx.astype(x.dtype), gw)
+
+    # --- QK-norm (F6) ---
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        ct = compute_dtype(q.dtype)
+        d = q.shape[-1]
+        q_hat = self.rms_norm(q, (d,), q_weight, eps).output.astype(ct)
+        k_hat = self.rms_norm(k, (d,), k_weight, eps).output.astype(ct)
+        s = np.matmul(q_hat, np.swapaxes(k_hat, -1, -2)) * ct.type(scale)
+        return s.astype(q.dtype)
+
+    # --- BatchNorm (F1, F4, F5) ---
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        return NumpyBatchNorm(self, num_features, eps, momentum, affine, track_running_stats,
+                              np.dtype(dtype), weight, bias)
+
+
+class NumpyBatchNorm(BatchNormLayer):
+    def __init__(self, backend, c, eps, momentum, affine, track, dtype, weight, bias):
+        self.backend, self.eps, self.momentum, self.dtype = backend, eps, momentum, dtype
+        self.ct = compute_dtype(dtype)
+        self.weight = (np.ones(c, dtype) if weight is None else np.asarray(weight, dtype)) if affine else None
+        self.bias = (np.zeros(c, dtype) if bias is None else np.asarray(bias, dtype)) if affine else None
+        self._mean = np.zeros(c, self.ct) if track else None
+        self._var = np.ones(c, self.ct) if track else None
+        self.num_batches_tracked = 0
+        self.training = True
+
+    @property
+    def running_mean(self):
+        return None if self._mean is None else self._mean.astype(self.dtype)
+
+    @property
+    def running_var(self):
+        return None if self._var is None else self._var.astype(self.dtype)
+
+    def _shape(self, x):
+        return (0,) + tuple(range(2, x.ndim)), (1, x.shape[1]) + (1,) * (x.ndim - 2)
+
+    def update_running(self, mu, sum_sq, m):
+        """run <- (1 - a) run + a stat; the variance estimate is unbiased (F4)."""
+        self.num_batches_tracked += 1
+        a = 1.0 / self.num_batches_tracked if self.momentum is None else self.momentum
+        self._mean = ((1 - a) * self._mean + a * mu).astype(self.ct)
+        self._var = ((1 - a) * self._var + a * sum_sq / (m - 1)).astype(self.ct)
+
+    def uses_batch_stats(self):
+        return self.training or self._mean is None
+
+    def forward(self, x, grad_output=None):
+        ct, b = self.ct, self.backend
+        xc = x.astype(ct)
+        axes, bshape = self._shape(xc)
+        m = xc.size // xc.shape[1]
+        if self.uses_batch_stats():
+            if m <= 1:
+                raise ValueError(f"Expected more than 1 value per channel when training, "
+                                 f"got input size {x.shape}")
+            mu = b.mean(xc, axes)
+            var = b.variance(xc, axes, mu)
+            if self.training and self._mean is not None:
+                self.update_running(mu.reshape(-1), var.reshape(-1) * m, m)
+        else:
+            mu, var = self._mean.reshape(bshape), self._var.reshape(bshape)
+        r = b.inv_std(var, ct.type(self.eps))
+        x_hat = (xc - mu) * r
+        w = None if self.weight is None else self.weight.astype(ct).reshape(bshape)
+        y = x_hat * w + self.bias.astype(ct).reshape(bshape) if w is not None else x_hat
+        if grad_output is None:
+            return Result(y.astype(self.dtype))
+        g = grad_output.astype(ct)
+        h = g * w if w is not None else g
+        if self.uses_batch_stats():
+            gx = r * (h - h.mean(axis=axes, keepdims=True)
+                      - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
+        else:
+            gx = r * h
+        gw = (g * x_hat).sum(axis=axes).astype(self.dtype) if w is not None else None
+        gb = g.sum(axis=axes).astype(self.dtype) if w is not None else None
+        return Result(y.astype(self.dtype), gx.astype(self.dtype), gw, gb)
+
+
+def make_backend() -> NumpyBackend:
+    return NumpyBackend()

@@ -1,0 +1,155 @@
+"""The backend protocol: the one interface between normspec and a normalization backend.
+
+A backend is an object with four attributes (`name`, `version`, `capabilities`,
+`conventions`) and four methods (`layer_norm`, `rms_norm`, `qk_norm_scores`,
+`batch_norm`). Arrays cross the boundary as NumPy arrays in the dtype under test
+(bfloat16 as `ml_dtypes.bfloat16`); devices and framework dtypes are the adapter's
+business. Subclass `Backend` for the defaults, or write the attributes yourself.
+
+Parameter conventions are the spec's (PyTorch's): `momentum` weights the *new* batch,
+`momentum=None` is a cumulative average, `eps` sits inside the square root. An adapter
+translates these into its framework's terms and nothing else: it never adjusts outputs
+or statistics to agree with the spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+OPS = ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+class BackendUnavailable(RuntimeError):
+    """Raised by a factory whose framework cannot be imported or used here."""
+
+
+class Result(NamedTuple):
+    """What an op returns: the output and, when a grad_output was given, the gradients
+    with respect to the input, the weight and the bias (None where not applicable)."""
+
+    output: np.ndarray
+    grad_input: np.ndarray | None = None
+    grad_weight: np.ndarray | None = None
+    grad_bias: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend implements. Anything outside is reported as unsupported.
+
+    ops: subset of OPS. dtypes: subset of DTYPES. gradients: ops whose VJPs it returns.
+    no_grad_mode: BatchNorm has a forward under the framework's no-grad switch (B6).
+    cumulative_momentum: BatchNorm accepts momentum=None. untracked_stats: BatchNorm
+    accepts track_running_stats=False.
+    """
+
+    ops: frozenset[str] = frozenset(OPS)
+    dtypes: frozenset[str] = frozenset(DTYPES)
+    gradients: frozenset[str] = frozenset({"layer_norm", "rms_norm", "batch_norm"})
+    no_grad_mode: bool = False
+    cumulative_momentum: bool = True
+    untracked_stats: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ops": sorted(self.ops), "dtypes": sorted(self.dtypes),
+            "gradients": sorted(self.gradients), "no_grad_mode": self.no_grad_mode,
+            "cumulative_momentum": self.cumulative_momentum,
+            "untracked_stats": self.untracked_stats,
+        }
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """What a backend claims about itself; the contract checks verify the claims.
+
+    default_eps: the framework's own default per op (a number or a description).
+    native_momentum: how the framework's momentum is defined, in words.
+    running_var_estimator: "unbiased" (m - 1, as F4 says) or "biased" (m).
+    eps_zero: per op, whether eps = 0 is accepted ("batch_norm" meaning training).
+    half_compute_dtype: the dtype float16/bfloat16 inputs are computed in.
+    """
+
+    default_eps: dict[str, Any] = field(default_factory=dict)
+    native_momentum: str = "weight of the new batch (PyTorch's meaning)"
+    running_var_estimator: str = "unbiased"
+    eps_zero: dict[str, bool] = field(default_factory=lambda: {op: True for op in OPS})
+    half_compute_dtype: str = "float32"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "default_eps": dict(self.default_eps), "native_momentum": self.native_momentum,
+            "running_var_estimator": self.running_var_estimator,
+            "eps_zero": dict(self.eps_zero), "half_compute_dtype": self.half_compute_dtype,
+        }
+
+
+class BatchNormLayer:
+    """A stateful BatchNorm, channel axis 1, for inputs [N, C], [N, C, L] or [N, C, H, W].
+
+    Starts in training mode with running_mean = 0 and running_var = 1 (None, None when
+    created with track_running_stats=False).
+    """
+
+    training: bool = True
+
+    def train(self) -> None:
+        self.training = True
+
+    def eval(self) -> None:
+        self.training = False
+
+    def forward(self, x: np.ndarray, grad_output: np.ndarray | None = None) -> Result:
+        """One forward in the current mode; in training mode it updates the running
+        statistics (B5). With grad_output, returns the gradients too."""
+        raise NotImplementedError
+
+    def forward_no_grad(self, x: np.ndarray) -> np.ndarray:
+        """One forward under the framework's no-grad switch, mode unchanged (B6)."""
+        raise NotImplementedError
+
+    @property
+    def running_mean(self) -> np.ndarray | None:
+        raise NotImplementedError
+
+    @property
+    def running_var(self) -> np.ndarray | None:
+        raise NotImplementedError
+
+
+class Backend:
+    """Base class for a backend; override the ops it supports and say so in
+    `capabilities`. The defaults claim nothing."""
+
+    name: str = "unnamed"
+    version: str = "unknown"
+    capabilities: Capabilities = Capabilities(ops=frozenset(), gradients=frozenset())
+    conventions: Conventions = Conventions()
+    #: Known deviations from the spec, as data: [{"check": id, "reason": text}, ...].
+    #: Built-in backends keep theirs in impls/deviations/<name>.toml instead.
+    deviations: tuple[dict[str, str], ...] = ()
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None) -> Result:
+        """F2 over the trailing `normalized_shape` axes; weight and bias have that shape
+        or are None (bias only together with weight)."""
+        raise NotImplementedError
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None) -> Result:
+        """F3 over the trailing `normalized_shape` axes."""
+        raise NotImplementedError
+
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale) -> np.ndarray:
+        """F6: [..., heads, tq, d] and [..., heads, tk, d] to [..., heads, tq, tk] scores."""
+        raise NotImplementedError
+
+    def batch_norm(self, num_features: int, *, eps: float, momentum: float | None,
+                   affine: bool, track_running_stats: bool, dtype: np.dtype,
+                   weight: np.ndarray | None = None,
+                   bias: np.ndarray | None = None) -> BatchNormLayer:
+        """A new BatchNorm layer; with affine, weight and bias are the initial gamma and
+        beta (ones and zeros when None)."""
+        raise NotImplementedError

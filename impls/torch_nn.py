@@ -1,0 +1,154 @@
+"""`torch`: torch.nn.LayerNorm, torch.nn.RMSNorm and torch.nn.BatchNorm1d/2d/3d (by
+input rank), with autograd for gradients. Conventions already match the spec's
+(momentum weights the new batch, eps inside the sqrt), so nothing is translated but the
+array type."""
+
+from __future__ import annotations
+
+from ._torch_arrays import to_numpy, to_torch, torch_dtype
+from .protocol import (
+    DTYPES,
+    OPS,
+    Backend,
+    BackendUnavailable,
+    BatchNormLayer,
+    Capabilities,
+    Conventions,
+    Result,
+)
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError as exc:
+        raise BackendUnavailable(f"torch is not installed: {exc}") from exc
+    return torch
+
+
+def _copy_param(param, value):
+    if param is None or value is None:
+        return
+    import torch
+
+    with torch.no_grad():
+        param.copy_(to_torch(value))
+
+
+def _grads(module, x_t, y, grad_output, *names):
+    y.backward(to_torch(grad_output))
+    out = [to_numpy(x_t.grad)]
+    for n in names:
+        p = getattr(module, n, None)
+        out.append(None if p is None else to_numpy(p.grad))
+    return out
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    capabilities = Capabilities(ops=frozenset(OPS), dtypes=frozenset(DTYPES), no_grad_mode=True)
+    conventions = Conventions(
+        default_eps={"layer_norm": 1e-5, "rms_norm": "None: torch.finfo(x.dtype).eps",
+                     "batch_norm": 1e-5},
+        native_momentum="momentum=0.1 weights the new batch; None is a cumulative average",
+        running_var_estimator="unbiased",
+        eps_zero={"layer_norm": True, "rms_norm": True, "qk_norm_scores": True,
+                  "batch_norm": False},
+        half_compute_dtype="float32 (CPU kernels accumulate in float)",
+    )
+
+    def __init__(self):
+        self.torch = _import_torch()
+        self.version = self.torch.__version__
+
+    def _input(self, x):
+        return to_torch(x).requires_grad_(True)
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        nn = self.torch.nn
+        m = nn.LayerNorm(tuple(normalized_shape), eps=eps, elementwise_affine=weight is not None,
+                         bias=bias is not None, dtype=torch_dtype(x.dtype))
+        _copy_param(m.weight, weight)
+        _copy_param(m.bias, bias)
+        return self._run(m, x, grad_output, "weight", "bias")
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        m = self.torch.nn.RMSNorm(tuple(normalized_shape), eps=eps,
+                                  elementwise_affine=weight is not None,
+                                  dtype=torch_dtype(x.dtype))
+        _copy_param(m.weight, weight)
+        return self._run(m, x, grad_output, "weight")
+
+    def _run(self, module, x, grad_output, *names):
+        x_t = self._input(x)
+        y = module(x_t)
+        if grad_output is None:
+            return Result(to_numpy(y))
+        return Result(to_numpy(y), *_grads(module, x_t, y, grad_output, *names))
+
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        torch, d = self.torch, q.shape[-1]
+        dt = torch_dtype(q.dtype)
+        q_norm = torch.nn.RMSNorm(d, eps=eps, elementwise_affine=q_weight is not None, dtype=dt)
+        k_norm = torch.nn.RMSNorm(d, eps=eps, elementwise_affine=k_weight is not None, dtype=dt)
+        _copy_param(q_norm.weight, q_weight)
+        _copy_param(k_norm.weight, k_weight)
+        with torch.no_grad():
+            s = q_norm(to_torch(q)) @ k_norm(to_torch(k)).transpose(-1, -2) * scale
+        return to_numpy(s)
+
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        return TorchBatchNorm(self.torch, num_features, dict(
+            eps=eps, momentum=momentum, affine=affine, track_running_stats=track_running_stats,
+            dtype=torch_dtype(dtype)), weight, bias)
+
+
+class TorchBatchNorm(BatchNormLayer):
+    """One torch module whose class follows the input rank (1d for [N,C] and [N,C,L],
+    2d for [N,C,H,W], 3d beyond); state carries over when the rank changes."""
+
+    def __init__(self, torch, c, kwargs, weight, bias):
+        self.torch, self.c, self.kwargs = torch, c, kwargs
+        self.module = torch.nn.BatchNorm1d(c, **kwargs)
+        _copy_param(self.module.weight, weight)
+        _copy_param(self.module.bias, bias)
+        self.training = True
+
+    def _module_for(self, x):
+        nn = self.torch.nn
+        cls = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d}.get(x.ndim, nn.BatchNorm3d)
+        if type(self.module) is not cls:
+            new = cls(self.c, **self.kwargs)
+            new.load_state_dict(self.module.state_dict())
+            self.module = new
+        self.module.train(self.training)
+        return self.module
+
+    def forward(self, x, grad_output=None):
+        m = self._module_for(x)
+        x_t = to_torch(x).requires_grad_(grad_output is not None)
+        y = m(x_t)
+        if grad_output is None:
+            return Result(to_numpy(y))
+        return Result(to_numpy(y), *_grads(m, x_t, y, grad_output, "weight", "bias"))
+
+    def forward_no_grad(self, x):
+        m = self._module_for(x)
+        with self.torch.no_grad():
+            return to_numpy(m(to_torch(x)))
+
+    @property
+    def running_mean(self):
+        return to_numpy(self.module.running_mean)
+
+    @property
+    def running_var(self):
+        return to_numpy(self.module.running_var)
+
+
+def make_backend() -> TorchBackend:
+    return TorchBackend()
+
+
+__all__ = ["TorchBackend", "make_backend"]
