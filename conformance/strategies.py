@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
+from .cases import ArraySpec
+
 #: Hidden sizes: d = 1, small odd sizes, sizes that are not powers of two, and powers of two.
 HIDDEN_SIZES = (1, 2, 3, 5, 7, 31, 64, 100, 127, 384, 1000, 1023)
 
@@ -40,33 +42,84 @@ def normalized_shapes(draw, max_axes: int = 3, max_size: int = 4096):
     return tuple(shape)
 
 
+#: Batch axes in front of the normalized ones. A small pool: compiled backends (XLA,
+#: Triton) compile once per shape, and values, not batch layouts, are what vary the error.
+LEADING_SHAPES = ((), (1,), (3,), (2, 3))
+
+
 @st.composite
-def leading_shapes(draw, max_axes: int = 2):
+def leading_shapes(draw):
     """Batch axes in front of the normalized ones ([B], [B, T], or none)."""
-    n_axes = draw(st.integers(0, max_axes), label="number of leading axes")
-    return tuple(draw(st.integers(1, 4), label=f"leading axis {i}") for i in range(n_axes))
+    return draw(st.sampled_from(LEADING_SHAPES), label="leading shape")
 
 
 @st.composite
-def feature_vectors(draw, shape, spread=None):
-    """A float64 array of `shape` from a seeded normal: mean and spread drawn too, so
-    rows range from centred to offset far from zero."""
+def feature_vectors(draw, shape, spread=None, mean=None):
+    """An ArraySpec (a printable recipe for a seeded normal array) of `shape`, with mean
+    and spread drawn too, so rows range from centred to offset far from zero."""
     seed = draw(seeds, label="seed")
-    mean = draw(st.floats(-10, 10), label="mean")
+    mu = mean if mean is not None else draw(st.floats(-10, 10), label="mean")
     sigma = spread if spread is not None else draw(st.floats(1e-2, 1e2), label="spread")
-    rng = np.random.default_rng(seed)
-    return rng.normal(mean, sigma, size=shape)
+    return ArraySpec(shape=tuple(shape), seed=seed, mean=mu, spread=sigma)
+
+
+#: head_dim pool: 1, odd sizes, powers of two and the document's 128. Pools (not ranges)
+#: keep the number of distinct shapes small, which compiled backends pay for per shape.
+HEAD_DIMS = (1, 2, 7, 16, 48, 64, 100, 128, 160, 256)
 
 
 @st.composite
-def qk_pairs(draw, max_head_dim: int = 256):
-    """(q, k) as [heads, tokens, head_dim] float64 arrays, with magnitudes up to 1e6 to
-    stand for projections that have grown large."""
-    heads = draw(st.integers(1, 3), label="heads")
-    tq = draw(st.integers(1, 5), label="query tokens")
-    tk = draw(st.integers(1, 5), label="key tokens")
-    d = draw(st.integers(1, max_head_dim), label="head_dim")
+def qk_pairs(draw, max_head_dim: int = 256, max_magnitude: float = 1e6):
+    """(q, k) recipes of shape [heads, tokens, head_dim], with magnitudes up to
+    `max_magnitude` (1e6) to stand for projections that have grown large."""
+    heads = draw(st.sampled_from([1, 2]), label="heads")
+    tq = draw(st.sampled_from([1, 3]), label="query tokens")
+    tk = draw(st.sampled_from([1, 4]), label="key tokens")
+    d = draw(st.sampled_from([h for h in HEAD_DIMS if h <= max_head_dim]), label="head_dim")
     seed = draw(seeds, label="seed")
-    magnitude = draw(st.sampled_from([1e-2, 1.0, 1e3, 1e6]), label="projection magnitude")
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(heads, tq, d)) * magnitude, rng.normal(size=(heads, tk, d)) * magnitude)
+    magnitudes = [m for m in (1e-2, 1.0, 1e3, 1e6) if m <= max_magnitude]
+    magnitude = draw(st.sampled_from(magnitudes), label="projection magnitude")
+    return (ArraySpec((heads, tq, d), seed, 0.0, magnitude),
+            ArraySpec((heads, tk, d), seed + 1, 0.0, magnitude))
+
+epsilons = st.sampled_from([1e-6, 1e-5, 1e-2])
+
+
+@st.composite
+def layer_norm_cases(draw, *, with_grad=False, with_bias=True, max_size=4096):
+    """Recipes for one LayerNorm/RMSNorm call: x of [leading..., normalized...], optional
+    gain and bias of the normalized shape, eps, and an upstream gradient."""
+    shape = draw(normalized_shapes(max_size=max_size), label="normalized_shape")
+    lead = draw(leading_shapes(), label="leading shape")
+    full = (*lead, *shape) if lead else (1, *shape)
+    x = draw(feature_vectors(full), label="x")
+    affine = draw(st.booleans(), label="affine")
+    weight = ArraySpec(shape, draw(seeds, label="weight seed"), 1.0, 0.5) if affine else None
+    bias = (ArraySpec(shape, draw(seeds, label="bias seed"), 0.0, 0.5)
+            if affine and with_bias else None)
+    eps = draw(epsilons, label="eps")
+    grad = ArraySpec(full, draw(seeds, label="grad seed")) if with_grad else None
+    return {"x": x, "normalized_shape": shape, "weight": weight, "bias": bias, "eps": eps,
+            "grad": grad}
+
+
+@st.composite
+def batch_norm_inputs(draw, *, min_values_per_channel=2):
+    """A BatchNorm input recipe [N, C], [N, C, L] or [N, C, H, W] with >= 2 values per
+    channel, its gain/bias recipes, eps and momentum."""
+    rank = draw(st.sampled_from([2, 3, 4]), label="rank")
+    n = draw(st.sampled_from([1, 2, 5]), label="N")
+    c = draw(st.sampled_from([1, 3, 16]), label="C")
+    rest = tuple(draw(st.sampled_from([1, 3, 5]), label=f"spatial axis {i}")
+                 for i in range(rank - 2))
+    if n * int(np.prod(rest, dtype=int)) < min_values_per_channel:
+        n = min_values_per_channel
+    shape = (n, c, *rest)
+    x = draw(feature_vectors(shape), label="x")
+    weight = ArraySpec((c,), draw(seeds, label="weight seed"), 1.0, 0.5)
+    bias = ArraySpec((c,), draw(seeds, label="bias seed"), 0.0, 0.5)
+    eps = draw(epsilons, label="eps")
+    momentum = draw(st.sampled_from([0.1, 0.3, 1.0]), label="momentum")
+    grad = ArraySpec(shape, draw(seeds, label="grad seed"))
+    return {"x": x, "weight": weight, "bias": bias, "eps": eps, "momentum": momentum,
+            "grad": grad}

@@ -58,6 +58,7 @@ class FlaxBackend(Backend):
     def __init__(self):
         self.flax, self.jax, self.jnp, self.nnx = _import()
         self.version = f"flax {self.flax.__version__}, jax {self.jax.__version__}"
+        self._cache = {}
 
     def _rngs(self):
         return self.nnx.Rngs(0)
@@ -67,20 +68,36 @@ class FlaxBackend(Backend):
             param.set_value(self.jnp.asarray(np.asarray(value).reshape(shape)))
 
     def _apply(self, module, x, grad_output, names, shape):
-        """Run a stateless module; with grad_output, the VJP w.r.t. x and named params."""
-        jax, jnp, nnx = self.jax, self.jnp, self.nnx
-        x_j = jnp.asarray(x)
-        if grad_output is None:
-            return Result(_np(module(x_j)))
+        """Run a stateless module; with grad_output, the VJP w.r.t. x and named params.
+
+        The computation is jax.jit-compiled once per module configuration and input
+        shape (XLA would otherwise compile every primitive separately for each new shape),
+        which changes nothing about what Flax computes."""
+        jnp, nnx = self.jnp, self.nnx
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-
-        def f(xv, pv):
-            return nnx.merge(graphdef, pv, rest)(xv)
-
-        y, vjp = jax.vjp(f, x_j, params)
-        gx, gp = vjp(jnp.asarray(grad_output))
+        fn = self._compiled(graphdef, rest, grad_output is not None)
+        if grad_output is None:
+            return Result(_np(fn(jnp.asarray(x), params)))
+        y, (gx, gp) = fn(jnp.asarray(x), params, jnp.asarray(grad_output))
         grads = [None if n is None else _np(gp[n].get_value()).reshape(shape) for n in names]
         return Result(_np(y), _np(gx), *grads)
+
+    def _compiled(self, graphdef, rest, with_grad):
+        key = (graphdef, with_grad)
+        fn = self._cache.get(key)
+        if fn is None:
+            jax, nnx = self.jax, self.nnx
+
+            def forward(xv, pv):
+                return nnx.merge(graphdef, pv, rest)(xv)
+
+            def forward_and_vjp(xv, pv, g):
+                y, vjp = jax.vjp(forward, xv, pv)
+                return y, vjp(g)
+
+            fn = jax.jit(forward_and_vjp if with_grad else forward)
+            self._cache[key] = fn
+        return fn
 
     def _axes_kwargs(self, normalized_shape):
         axes = tuple(range(-len(normalized_shape), 0))
@@ -106,16 +123,30 @@ class FlaxBackend(Backend):
         return self._apply(m, x, grad_output, ["scale" if weight is not None else None], shape)
 
     def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
-        jnp, d = self.jnp, q.shape[-1]
+        jax, jnp, nnx, d = self.jax, self.jnp, self.nnx, q.shape[-1]
         norms = []
         for w in (q_weight, k_weight):
-            m = self.nnx.RMSNorm(d, epsilon=eps, use_scale=w is not None, param_dtype=q.dtype,
-                                 rngs=self._rngs())
+            m = nnx.RMSNorm(d, epsilon=eps, use_scale=w is not None, param_dtype=q.dtype,
+                            rngs=self._rngs())
             self._set(m.scale, w, (d,)) if w is not None else None
-            norms.append(m)
-        q_hat, k_hat = norms[0](jnp.asarray(q)), norms[1](jnp.asarray(k))
-        s = jnp.matmul(q_hat, jnp.swapaxes(k_hat, -1, -2)) * jnp.asarray(scale, q_hat.dtype)
-        return _np(s.astype(q.dtype))
+            norms.append(nnx.split(m, nnx.Param, ...))
+        key = ("qk", norms[0][0], norms[1][0], float(scale))
+        fn = self._cache.get(key)
+        if fn is None:
+            (gq, _, rq), (gk, _, rk) = norms
+
+            def scores(qv, kv, pq, pk):
+                q_hat = nnx.merge(gq, pq, rq)(qv)
+                k_hat = nnx.merge(gk, pk, rk)(kv)
+                s = jnp.matmul(q_hat, jnp.swapaxes(k_hat, -1, -2)) * jnp.asarray(scale, q_hat.dtype)
+                return s.astype(qv.dtype)
+
+            fn = self._cache[key] = jax.jit(scores)
+        return _np(fn(jnp.asarray(q), jnp.asarray(k), norms[0][1], norms[1][1]))
+
+    def softcap(self, scores, cap):
+        s = self.jnp.asarray(scores)
+        return _np((cap * self.jnp.tanh(s / cap)).astype(s.dtype))
 
     def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
                    weight=None, bias=None):
@@ -140,23 +171,37 @@ class FlaxBatchNorm(BatchNormLayer):
         return (not self.training) and self.track
 
     def forward(self, x, grad_output=None):
-        jax, jnp, nnx = self.b.jax, self.b.jnp, self.b.nnx
-        ura = self._use_running_average()
-        x_j = jnp.asarray(x)
-        if grad_output is None:
-            return Result(_np(self.module(x_j, use_running_average=ura)))
+        jnp, nnx = self.b.jnp, self.b.nnx
         graphdef, params, stats, rest = nnx.split(self.module, nnx.Param, nnx.BatchStat, ...)
-
-        def f(xv, pv, sv):  # statistics go in traced so the forward may update them
-            m = nnx.merge(graphdef, pv, sv, rest)
-            return m(xv, use_running_average=ura), nnx.state(m, nnx.BatchStat)
-
-        y, vjp, new_stats = jax.vjp(f, x_j, params, stats, has_aux=True)
+        fn = self._compiled(graphdef, rest, self._use_running_average(), grad_output is not None)
+        if grad_output is None:
+            y, new_stats = fn(jnp.asarray(x), params, stats)
+            nnx.update(self.module, new_stats)
+            return Result(_np(y))
+        y, new_stats, (gx, gp, _) = fn(jnp.asarray(x), params, stats, jnp.asarray(grad_output))
         nnx.update(self.module, new_stats)
-        gx, gp, _ = vjp(jnp.asarray(grad_output))
         gw = _np(gp["scale"].get_value()) if "scale" in gp else None
         gb = _np(gp["bias"].get_value()) if "bias" in gp else None
         return Result(_np(y), _np(gx), gw, gb)
+
+    def _compiled(self, graphdef, rest, ura, with_grad):
+        """The forward (and VJP) as one jitted function of (x, params, stats); statistics go
+        in as arguments so the forward may update them, and come back out."""
+        key = ("bn", graphdef, ura, with_grad)
+        fn = self.b._cache.get(key)
+        if fn is None:
+            jax, nnx = self.b.jax, self.b.nnx
+
+            def forward(xv, pv, sv):
+                m = nnx.merge(graphdef, pv, sv, rest)
+                return m(xv, use_running_average=ura), nnx.state(m, nnx.BatchStat)
+
+            def forward_and_vjp(xv, pv, sv, g):
+                y, vjp, new_stats = jax.vjp(forward, xv, pv, sv, has_aux=True)
+                return y, new_stats, vjp(g)
+
+            fn = self.b._cache[key] = jax.jit(forward_and_vjp if with_grad else forward)
+        return fn
 
     @property
     def running_mean(self):

@@ -97,6 +97,11 @@ class NumpyBackend(Backend):
         s = np.matmul(q_hat, np.swapaxes(k_hat, -1, -2)) * ct.type(scale)
         return s.astype(q.dtype)
 
+    # --- soft-capping (F7) ---
+    def softcap(self, scores, cap):
+        ct = compute_dtype(scores.dtype)
+        return (ct.type(cap) * np.tanh(scores.astype(ct) / ct.type(cap))).astype(scores.dtype)
+
     # --- BatchNorm (F1, F4, F5) ---
     def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
                    weight=None, bias=None):

@@ -1,10 +1,11 @@
 """The backend protocol: the one interface between normspec and a normalization backend.
 
 A backend is an object with four attributes (`name`, `version`, `capabilities`,
-`conventions`) and four methods (`layer_norm`, `rms_norm`, `qk_norm_scores`,
-`batch_norm`). Arrays cross the boundary as NumPy arrays in the dtype under test
-(bfloat16 as `ml_dtypes.bfloat16`); devices and framework dtypes are the adapter's
-business. Subclass `Backend` for the defaults, or write the attributes yourself.
+`conventions`) and up to five methods (`layer_norm`, `rms_norm`, `qk_norm_scores`,
+`batch_norm`, `softcap`); `capabilities.ops` says which it has. Arrays cross the
+boundary as NumPy arrays in the dtype under test (bfloat16 as `ml_dtypes.bfloat16`);
+devices and framework dtypes are the adapter's business. Subclass `Backend` for the
+defaults, or write the attributes yourself.
 
 Parameter conventions are the spec's (PyTorch's): `momentum` weights the *new* batch,
 `momentum=None` is a cumulative average, `eps` sits inside the square root. An adapter
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-OPS = ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm")
+OPS = ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm", "softcap")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -144,6 +145,10 @@ class Backend:
 
     def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale) -> np.ndarray:
         """F6: [..., heads, tq, d] and [..., heads, tk, d] to [..., heads, tq, tk] scores."""
+        raise NotImplementedError
+
+    def softcap(self, scores, cap) -> np.ndarray:
+        """F7: cap * tanh(scores / cap), as the framework's attention code writes it."""
         raise NotImplementedError
 
     def batch_norm(self, num_features: int, *, eps: float, momentum: float | None,

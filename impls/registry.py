@@ -5,11 +5,12 @@ framework or a broken factory makes that backend unavailable, with the reason.""
 from __future__ import annotations
 
 import importlib
-import tomllib
 import traceback
 from dataclasses import dataclass, field
 from importlib import metadata, resources
 from typing import Any
+
+import tomllib
 
 from .protocol import OPS, Backend
 
@@ -39,6 +40,10 @@ class LoadedBackend:
     backend: Any | None = None
     error: str | None = None
     deviations: list[dict[str, str]] = field(default_factory=list)
+    requested: str = ""  # what the user typed (a name or module:factory), for repro snippets
+
+    def __post_init__(self):
+        self.requested = self.requested or self.name
 
     @property
     def available(self) -> bool:
@@ -119,7 +124,7 @@ def load(name_or_source: str) -> LoadedBackend:
     name = str(getattr(obj, "name", label))
     deviations = builtin_deviations(name) if source == BUILTINS.get(name) else []
     deviations += [dict(d) for d in getattr(obj, "deviations", ())]
-    return LoadedBackend(name, source, backend=obj, deviations=deviations)
+    return LoadedBackend(name, source, backend=obj, deviations=deviations, requested=label)
 
 
 def load_all() -> list[LoadedBackend]:

@@ -97,6 +97,10 @@ class TorchBackend(Backend):
             s = q_norm(to_torch(q)) @ k_norm(to_torch(k)).transpose(-1, -2) * scale
         return to_numpy(s)
 
+    def softcap(self, scores, cap):
+        s = to_torch(scores)
+        return to_numpy(cap * self.torch.tanh(s / cap))
+
     def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
                    weight=None, bias=None):
         return TorchBatchNorm(self.torch, num_features, dict(
@@ -128,6 +132,8 @@ class TorchBatchNorm(BatchNormLayer):
     def forward(self, x, grad_output=None):
         m = self._module_for(x)
         x_t = to_torch(x).requires_grad_(grad_output is not None)
+        # the protocol returns this forward's gradients; torch would add them to the last
+        m.zero_grad(set_to_none=True)
         y = m(x_t)
         if grad_output is None:
             return Result(to_numpy(y))

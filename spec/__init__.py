@@ -2,6 +2,7 @@
 float64, as pure functions; the single source of truth the conformance checks compare
 backends against. It imports NumPy and ml_dtypes and nothing else."""
 
+from ._validate import FLOAT_DTYPES
 from .attention import qk_norm_scores, rope, softcap, softmax
 from .batch_norm import (
     SingleValuePerChannelError,
@@ -13,7 +14,6 @@ from .blocks import post_ln_block, pre_ln_block, pre_ln_stack, sandwich_block
 from .layer_norm import layer_norm, layer_norm_vjp
 from .rms_norm import RMS_NORM_DEFAULT_EPS, rms_norm, rms_norm_vjp
 from .rounding import round_to, ulp, ulp_distance
-from ._validate import FLOAT_DTYPES
 
 __all__ = [
     "FLOAT_DTYPES",

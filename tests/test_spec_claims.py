@@ -1,10 +1,9 @@
 """The oracle against every claim of claims.md that it can show alone, with the
 document's numbers written out literally. Test names carry the claim id."""
 
+import normspec.spec as s
 import numpy as np
 import pytest
-
-import normspec.spec as s
 
 
 def assert_close(expected, actual, rtol=1e-7, atol=1e-7):

@@ -5,11 +5,10 @@ The oracle must agree to float64 accuracy; this guards the oracle itself."""
 from decimal import Decimal, getcontext
 from fractions import Fraction
 
+import normspec.spec as s
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import normspec.spec as s
 
 getcontext().prec = 50
 

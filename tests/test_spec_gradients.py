@@ -1,9 +1,8 @@
 """The oracle's closed-form VJPs against central finite differences in float64."""
 
+import normspec.spec as s
 import numpy as np
 import pytest
-
-import normspec.spec as s
 
 RTOL = 1e-7
 

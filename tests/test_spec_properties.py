@@ -2,12 +2,11 @@
 the E7 bound, and the rounding/ULP helpers."""
 
 import ml_dtypes
+import normspec.spec as s
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import normspec.spec as s
 from normspec.conformance import strategies as ns
 
 settings.register_profile("normspec-spec", max_examples=80, deadline=None)
@@ -17,7 +16,7 @@ settings.load_profile("normspec-spec")
 @given(data=st.data())
 def test_B1_layer_norm_is_shift_invariant(data):
     shape = data.draw(ns.normalized_shapes(max_size=512), label="normalized_shape")
-    x = data.draw(ns.feature_vectors((3, *shape)), label="x")
+    x = data.draw(ns.feature_vectors((3, *shape)), label="x").values64()
     c = data.draw(ns.shifts, label="shift")
     eps = data.draw(st.sampled_from([0.0, 1e-5, 1e-2]), label="eps")
     if eps == 0.0 and np.prod(shape) == 1:
@@ -26,13 +25,14 @@ def test_B1_layer_norm_is_shift_invariant(data):
     shifted = s.layer_norm(x + c, shape, eps=eps)
     # float64 rounding of x + c loses |c| * 2^-53 per value; relative to the spread
     spread = np.sqrt(np.var(x, axis=tuple(range(1, x.ndim)), keepdims=True) + eps)
-    np.testing.assert_allclose(shifted, expected, atol=float(np.max(64 * 2**-53 * (abs(c) + np.abs(x).max()) / spread)))
+    atol = float(np.max(64 * 2**-53 * (abs(c) + np.abs(x).max()) / spread))
+    np.testing.assert_allclose(shifted, expected, atol=atol)
 
 
 @given(data=st.data())
 def test_B1_rms_norm_is_not_shift_invariant(data):
     d = data.draw(st.integers(2, 64), label="d")
-    x = data.draw(ns.feature_vectors((d,), spread=1.0), label="x")
+    x = data.draw(ns.feature_vectors((d,), spread=1.0), label="x").values64()
     c = data.draw(st.floats(0.5, 1e3), label="shift")
     before, after = s.rms_norm(x, (d,), eps=0.0), s.rms_norm(x + c, (d,), eps=0.0)
     # after the shift the row is x + c over sqrt(mean((x + c)^2)) and nothing else
@@ -43,7 +43,7 @@ def test_B1_rms_norm_is_not_shift_invariant(data):
 @given(data=st.data())
 def test_B2_scale_invariance_with_eps_rescaled_exactly(data):
     shape = data.draw(ns.normalized_shapes(max_size=512), label="normalized_shape")
-    x = data.draw(ns.feature_vectors((2, *shape)), label="x")
+    x = data.draw(ns.feature_vectors((2, *shape)), label="x").values64()
     a = data.draw(ns.positive_scales, label="scale")
     eps = data.draw(st.sampled_from([1e-6, 1e-3, 1.0]), label="eps")
     # norm(a x; eps) == norm(x; eps / a^2) exactly: eps is rescaled, not ignored
@@ -63,7 +63,7 @@ def test_B2_eps_breaks_plain_scale_invariance():
 
 @given(pair=ns.qk_pairs())
 def test_E7_scores_are_bounded_by_sqrt_head_dim(pair):
-    q, k = pair
+    q, k = (recipe.values64() for recipe in pair)
     d = q.shape[-1]
     scores = s.qk_norm_scores(q, k, eps=0.0)
     assert np.all(np.abs(scores) <= np.sqrt(d) * (1 + 1e-12))

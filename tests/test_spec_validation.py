@@ -1,14 +1,14 @@
 """Bad arguments to the oracle raise errors that name the bad value; inputs are never
 mutated."""
 
+import normspec.spec as s
 import numpy as np
 import pytest
-
-import normspec.spec as s
 
 X = np.array([[1.0, 2.0, 4.0], [0.0, -1.0, 3.0]])
 
 
+# fmt: off
 @pytest.mark.parametrize("call,error,match", [
     (lambda: s.layer_norm(X, (3,), eps=-1e-5), ValueError, r"eps must be finite and >= 0, got -1e-05"),
     (lambda: s.layer_norm(X, (4,)), ValueError, r"normalized_shape \(4,\) does not match .*\(2, 3\)"),
@@ -28,6 +28,7 @@ X = np.array([[1.0, 2.0, 4.0], [0.0, -1.0, 3.0]])
     (lambda: s.rope(np.ones((2, 4)), np.arange(3)), ValueError, r"positions must have shape \(2,\)"),
     (lambda: s.round_to(X, np.int32), TypeError, "dtype must be one of"),
 ])
+# fmt: on
 def test_bad_arguments_name_the_bad_value(call, error, match):
     with pytest.raises(error, match=match):
         call()
@@ -44,5 +45,5 @@ def test_oracle_functions_do_not_mutate_their_inputs():
     s.batch_norm_train(x, rm, rv, w, b)
     s.batch_norm_eval(x, rm, rv, w, b)
     s.batch_norm_train_vjp(x, g, w, b)
-    for before, after in zip(snapshot, (x, w, b, g, rm, rv)):
+    for before, after in zip(snapshot, (x, w, b, g, rm, rv), strict=False):
         np.testing.assert_array_equal(before, after)

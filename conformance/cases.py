@@ -1,0 +1,93 @@
+"""Inputs as recipes: every array a check feeds a backend is built from a small,
+printable recipe, so a failure's repro snippet rebuilds exactly the same input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+from normspec.spec import round_to
+
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+def dtype_of(name) -> np.dtype:
+    """np.dtype for a name, bfloat16 included (ml_dtypes)."""
+    if isinstance(name, str) and name == "bfloat16":
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """A seeded normal array: N(mean, spread) of `shape`, rounded once to the dtype.
+
+    layout "transposed" builds the array with its last two axes swapped in memory, so the
+    backend receives a non-contiguous view with the same values.
+    """
+
+    shape: tuple[int, ...]
+    seed: int
+    mean: float = 0.0
+    spread: float = 1.0
+    layout: str = "contiguous"
+    factor: float = 1.0  # applied in float64 before rounding: the same draw, scaled
+
+    def values64(self) -> np.ndarray:
+        rng = np.random.default_rng(self.seed)
+        return self.factor * rng.normal(self.mean, self.spread, size=self.shape)
+
+    def build(self, dtype) -> np.ndarray:
+        a = round_to(self.values64(), dtype_of(dtype))
+        if self.layout == "transposed" and a.ndim >= 2:
+            a = np.ascontiguousarray(np.swapaxes(a, -1, -2)).swapaxes(-1, -2)
+        return a
+
+    def code(self, dtype_name: str) -> str:
+        extra = f", layout={self.layout!r}" if self.layout != "contiguous" else ""
+        extra += f", factor={self.factor!r}" if self.factor != 1.0 else ""
+        return (f"ArraySpec(shape={tuple(self.shape)!r}, seed={self.seed}, mean={self.mean!r}, "
+                f"spread={self.spread!r}{extra}).build({dtype_name!r})")
+
+
+@dataclass(frozen=True)
+class Literal:
+    """A literal array (the document's worked examples, NaN rows, all-zero rows)."""
+
+    values: tuple
+
+    @property
+    def shape(self):
+        return np.asarray(self.values).shape
+
+    def values64(self) -> np.ndarray:
+        return np.asarray(self.values, dtype=np.float64)
+
+    def build(self, dtype) -> np.ndarray:
+        return round_to(self.values64(), dtype_of(dtype))
+
+    def code(self, dtype_name: str) -> str:
+        text = np.array2string(self.values64(), separator=", ", threshold=10**6)
+        text = text.replace("nan", "np.nan").replace("inf", "np.inf")
+        return f"Literal(values={text}).build({dtype_name!r})"
+
+    @classmethod
+    def of(cls, array) -> Literal:
+        return cls(values=np.asarray(array, dtype=np.float64).tolist())
+
+
+def repro_snippet(*, backend_source: str, dtype_name: str, inputs: dict[str, object],
+                  calls: list[str]) -> str:
+    """A copy-pasteable script that rebuilds the inputs and repeats the calls."""
+    lines = [
+        "import numpy as np",
+        "import normspec.spec as spec",
+        "from normspec.conformance.cases import ArraySpec, Literal",
+        "from normspec.impls.registry import load",
+        f"backend = load({backend_source!r}).backend",
+    ]
+    for name, recipe in inputs.items():
+        lines.append(f"{name} = {recipe.code(dtype_name) if recipe is not None else 'None'}")
+    lines += calls
+    return "\n".join(lines)

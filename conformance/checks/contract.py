@@ -1,0 +1,104 @@
+"""Contract: the protocol's promises. Output shape and dtype equal the input's and inputs
+are never modified (Context.call enforces both on every call of every check; here each
+op is driven once on purpose); and the conventions a backend declares are what it does:
+running-variance estimator, eps = 0 acceptance, momentum meaning."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..assertions import assert_holds
+from ..cases import ArraySpec, Literal
+from ..ops import BatchNormDriver, layer_norm_case, qk_scores_case, rms_norm_case
+from . import check
+
+
+@check("protocol.shape_dtype_inputs", title="Every op returns arrays of the input's shape and dtype "
+       "and leaves its inputs alone", ops=())
+def shapes(ctx):
+    caps = ctx.backend.capabilities
+    x = ArraySpec((2, 3, 10), ctx.seed, 1.0, 2.0)
+    if "layer_norm" in caps.ops:
+        with ctx.case("layer_norm", op="layer_norm") as m:
+            m.absorb(layer_norm_case(ctx, x=x, normalized_shape=(10,), eps=1e-5,
+                                     weight=ArraySpec((10,), 1, 1.0), bias=ArraySpec((10,), 2),
+                                     grad=ArraySpec((2, 3, 10), 3)
+                                     if "layer_norm" in caps.gradients else None))
+    if "rms_norm" in caps.ops:
+        with ctx.case("rms_norm", op="rms_norm") as m:
+            m.absorb(rms_norm_case(ctx, x=x, normalized_shape=(10,), eps=1e-5,
+                                   weight=ArraySpec((10,), 1, 1.0),
+                                   grad=ArraySpec((2, 3, 10), 3)
+                                   if "rms_norm" in caps.gradients else None))
+    if "qk_norm_scores" in caps.ops:
+        with ctx.case("qk_norm_scores", op="qk_norm_scores") as m:
+            m.absorb(qk_scores_case(ctx, q=x, k=ArraySpec((2, 5, 10), 4))[0])
+    if "batch_norm" in caps.ops:
+        with ctx.case("batch_norm", op="batch_norm") as m:
+            driver = BatchNormDriver(ctx, 3)
+            driver.step("x", x, mode="train",
+                        grad=ArraySpec((2, 3, 10), 3) if "batch_norm" in caps.gradients else None)
+            m.absorb(driver.measure)
+
+
+@check("F4.declared_estimator", title="The declared running-variance estimator is the one "
+       "used", ops=("batch_norm",))
+def estimator(ctx):
+    declared = getattr(ctx.conventions, "running_var_estimator", "unbiased")
+    with ctx.case(f"declared {declared!r}"):
+        driver = BatchNormDriver(ctx, 1, momentum=1.0, affine=False, compare_stats=False)
+        driver.step("x", Literal(values=((1.0,), (3.0,))), mode="train", check_output=False)
+        got = float(np.asarray(driver.rv, dtype=np.float64)[0])
+        observed = {2.0: "unbiased", 1.0: "biased"}.get(got, f"neither (running_var = {got!r})")
+        assert_holds(condition=observed == declared,
+                     got=f"a {observed} estimate (running_var = {got!r} for [[1], [3]])",
+                     spec_says=f"the backend declared {declared!r}", call="layer.forward(x)",
+                     repro=ctx.repro())
+
+
+@check("F4.momentum_meaning", title="momentum weights the new batch once translated: 0.1 "
+       "moves running_mean 10% of the way", ops=("batch_norm",))
+def momentum(ctx):
+    with ctx.case("momentum 0.1, batch mean 10, running_mean 0"):
+        driver = BatchNormDriver(ctx, 1, momentum=0.1, affine=False, compare_stats=False)
+        driver.step("x", Literal(values=((9.0,), (11.0,))), mode="train", check_output=False)
+        got = float(np.asarray(driver.rm, dtype=np.float64)[0])
+        assert_holds(condition=abs(got - 1.0) < 1e-2,
+                     got=f"running_mean = {got!r}" + (" (momentum weights the old value)"
+                                                      if abs(got - 9.0) < 1e-2 else ""),
+                     spec_says="running_mean = 1.0 (0.9 * 0 + 0.1 * 10; F4)",
+                     call="layer.forward(x)", repro=ctx.repro())
+
+
+@check("protocol.eps_zero", title="eps = 0 is accepted or refused as the backend declares", ops=())
+def eps_zero(ctx):
+    caps, conv = ctx.backend.capabilities, ctx.conventions
+    declared = dict(getattr(conv, "eps_zero", {}) or {})
+    x = Literal(values=((1.0, 3.0, 2.0), (0.5, -1.0, 4.0)))
+    calls = {
+        "layer_norm": lambda xa: ctx.backend.layer_norm(xa, (3,), None, None, 0.0),
+        "rms_norm": lambda xa: ctx.backend.rms_norm(xa, (3,), None, 0.0),
+        "qk_norm_scores": lambda xa: ctx.backend.qk_norm_scores(xa[None], xa[None], None, None,
+                                                                0.0, 1.0),
+        "batch_norm": lambda xa: ctx.backend.batch_norm(3, eps=0.0, momentum=0.1, affine=False,
+                                                        track_running_stats=True,
+                                                        dtype=ctx.dtype).forward(xa),
+    }
+    for op, fn in calls.items():
+        if op not in caps.ops:
+            continue
+        accepts = bool(declared.get(op, True))
+        with ctx.case(f"{op} declared {'accepting' if accepts else 'refusing'} eps = 0", op=op):
+            xa = ctx.use(x=x)
+            code = f"# {op} with eps = 0" + (" (a training forward)" if op == "batch_norm" else "")
+            ctx.calls.append(code)
+            try:
+                fn(xa)
+                raised = None
+            except Exception as exc:  # noqa: BLE001 - whether it raises is the finding
+                raised = f"{type(exc).__name__}: {exc}"
+            assert_holds(condition=(raised is None) == accepts,
+                         got=f"it raised {raised}" if raised else "it accepted eps = 0",
+                         spec_says=("the backend declared it accepts eps = 0" if accepts else
+                                    "the backend declared it refuses eps = 0"),
+                         call=code, repro=ctx.repro())

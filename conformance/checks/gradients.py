@@ -1,0 +1,37 @@
+"""Gradients: every VJP a backend returns (dL/dx, dL/dgamma, dL/dbeta) against the
+oracle's closed forms (F1, F2, F3)."""
+
+from __future__ import annotations
+
+from .. import strategies as ns
+from ..ops import BatchNormDriver, layer_norm_case, rms_norm_case
+from . import check
+
+
+@check("F2.grad", title="LayerNorm gradients equal the oracle's VJP", ops=("layer_norm",),
+       needs=("gradients",))
+def layer_norm_grads(ctx):
+    ctx.explore("drawn shapes, values and upstream gradients",
+                ns.layer_norm_cases(with_grad=True, max_size=1024),
+                lambda case: layer_norm_case(ctx, **case))
+
+
+@check("F3.grad", title="RMSNorm gradients equal the oracle's VJP", ops=("rms_norm",),
+       needs=("gradients",))
+def rms_norm_grads(ctx):
+    ctx.explore("drawn shapes, values and upstream gradients",
+                ns.layer_norm_cases(with_grad=True, with_bias=False, max_size=1024),
+                lambda case: rms_norm_case(ctx, **{k: v for k, v in case.items() if k != "bias"}))
+
+
+@check("F1.grad", title="BatchNorm training gradients equal the oracle's VJP",
+       ops=("batch_norm",), needs=("gradients",))
+def batch_norm_grads(ctx):
+    def body(case):
+        x = case["x"]
+        driver = BatchNormDriver(ctx, x.shape[1], eps=case["eps"], momentum=case["momentum"],
+                                 weight=case["weight"], bias=case["bias"], compare_stats=False)
+        driver.step("x", x, mode="train", grad=case["grad"])
+        return driver.measure
+
+    ctx.explore("drawn shapes, values and upstream gradients", ns.batch_norm_inputs(), body)

@@ -1,0 +1,71 @@
+"""Numerical robustness: inputs that break careless kernels. float16 rows around +-1000
+(sum x^2 overflows if accumulated in float16), a large mean with a tiny spread, all-zero
+and constant rows (eps keeps them finite), non-contiguous inputs, and NaN/inf.
+
+What the spec implies for NaN and inf: the formulas are evaluated in IEEE arithmetic,
+so a NaN anywhere in a row makes that row's mean (and so every output of the row) NaN;
+an inf makes LayerNorm's row NaN (inf - inf) and RMSNorm's row 0 except NaN at the inf
+(x / inf, inf / inf); other rows are untouched. The oracle computes exactly that."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..cases import ArraySpec, Literal
+from ..ops import layer_norm_case, rms_norm_case
+from . import check
+
+OPS = {"layer_norm": layer_norm_case, "rms_norm": rms_norm_case}
+
+
+def _both(ctx, label, **kw):
+    for op, case_fn in OPS.items():
+        if op not in ctx.backend.capabilities.ops:
+            continue
+        with ctx.case(f"{op}: {label}", op=op) as measure:
+            args = dict(kw)
+            if op == "rms_norm":
+                args.pop("bias", None)
+            measure.absorb(case_fn(ctx, **args))
+
+
+@check("F2/F3.half_overflow", title="Rows around +-1000: sum x^2 overflows float16 if "
+       "accumulated there", ops=("layer_norm", "rms_norm"))
+def half_overflow(ctx):
+    for sign in (1.0, -1.0):
+        _both(ctx, f"x ~ N({sign * 1000:g}, 30), d = 512", eps=1e-5,
+              x=ArraySpec((3, 512), ctx.seed, sign * 1000.0, 30.0), normalized_shape=(512,))
+
+
+@check("F2.large_mean_tiny_spread", title="A large mean with a tiny spread (cancellation in "
+       "the variance)", ops=("layer_norm",))
+def large_mean(ctx):
+    with ctx.case("x ~ N(300, 0.05), d = 256") as measure:
+        measure.absorb(layer_norm_case(ctx, x=ArraySpec((3, 256), ctx.seed, 300.0, 0.05),
+                                       normalized_shape=(256,), eps=1e-5))
+
+
+@check("F2/F3.degenerate_rows", title="All-zero and constant rows: eps keeps the output finite "
+       "(LayerNorm gives beta)", ops=("layer_norm", "rms_norm"))
+def degenerate(ctx):
+    w, b = ArraySpec((8,), ctx.seed, 1.0, 0.5), ArraySpec((8,), ctx.seed + 1, 0.0, 0.5)
+    _both(ctx, "all-zero rows", x=Literal.of(np.zeros((2, 8))), normalized_shape=(8,),
+          weight=w, bias=b, eps=1e-5)
+    _both(ctx, "constant rows", x=Literal.of(np.full((2, 8), 5.0)), normalized_shape=(8,),
+          weight=w, bias=b, eps=1e-5)
+
+
+@check("F2/F3.non_contiguous", title="A non-contiguous input (transposed in memory) gives the "
+       "same result", ops=("layer_norm", "rms_norm"))
+def non_contiguous(ctx):
+    _both(ctx, "x stored transposed", x=ArraySpec((6, 40), ctx.seed, 1.0, 2.0, "transposed"),
+          normalized_shape=(40,), eps=1e-5)
+
+
+@check("F2/F3.nan_inf", title="NaN and inf propagate within their row as IEEE arithmetic says "
+       "and leave other rows alone", ops=("layer_norm", "rms_norm"))
+def nan_inf(ctx):
+    rows = np.random.default_rng(ctx.seed).normal(size=(4, 6)).round(3)
+    rows[1, 2], rows[2, 4], rows[3, 0] = np.nan, np.inf, -np.inf
+    _both(ctx, "rows with NaN, inf and -inf beside a finite row", x=Literal.of(rows),
+          normalized_shape=(6,), eps=1e-5)

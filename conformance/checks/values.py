@@ -1,0 +1,92 @@
+"""Values: each op's forward output against the oracle (F1, F2, F3, F5, F6), on
+Hypothesis-drawn shapes (1-3 normalized axes, sizes that are not powers of two, d = 1)
+and values, plus fixed cases: a row longer than 65536, and d = 1."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from .. import strategies as ns
+from ..cases import ArraySpec
+from ..ops import BatchNormDriver, layer_norm_case, qk_scores_case, rms_norm_case
+from . import check
+
+LONG_ROW = 70_003  # > 65536 and odd: exercises tails and 16-bit index overflow
+
+
+@check("F2.values", title="LayerNorm forward equals the oracle", ops=("layer_norm",))
+def layer_norm_values(ctx):
+    ctx.explore("drawn shapes and values", ns.layer_norm_cases(),
+                lambda case: layer_norm_case(ctx, **case))
+    with ctx.case(f"long row d={LONG_ROW}"):
+        layer_norm_case(ctx, x=ArraySpec((2, LONG_ROW), ctx.seed, 3.0, 2.0),
+                        normalized_shape=(LONG_ROW,),
+                        weight=ArraySpec((LONG_ROW,), ctx.seed + 1, 1.0, 0.5),
+                        bias=ArraySpec((LONG_ROW,), ctx.seed + 2, 0.0, 0.5))
+    with ctx.case("d = 1 (output is beta)"):
+        layer_norm_case(ctx, x=ArraySpec((4, 1), ctx.seed, 0.0, 3.0), normalized_shape=(1,),
+                        weight=ArraySpec((1,), ctx.seed + 1, 1.0, 0.5),
+                        bias=ArraySpec((1,), ctx.seed + 2, 0.0, 0.5))
+
+
+@check("F3.values", title="RMSNorm forward equals the oracle", ops=("rms_norm",))
+def rms_norm_values(ctx):
+    ctx.explore("drawn shapes and values", ns.layer_norm_cases(with_bias=False),
+                lambda case: rms_norm_case(ctx, **{k: v for k, v in case.items() if k != "bias"}))
+    with ctx.case(f"long row d={LONG_ROW}"):
+        rms_norm_case(ctx, x=ArraySpec((2, LONG_ROW), ctx.seed, 3.0, 2.0),
+                      normalized_shape=(LONG_ROW,),
+                      weight=ArraySpec((LONG_ROW,), ctx.seed + 1, 1.0, 0.5))
+    with ctx.case("d = 1 (output is sign(x) * gamma)"):
+        rms_norm_case(ctx, x=ArraySpec((4, 1), ctx.seed, 0.0, 3.0), normalized_shape=(1,),
+                      weight=ArraySpec((1,), ctx.seed + 1, 1.0, 0.5))
+
+
+def _bn_train(ctx, case):
+    x = case["x"]
+    driver = BatchNormDriver(ctx, x.shape[1], eps=case["eps"], momentum=case["momentum"],
+                             weight=case["weight"], bias=case["bias"], compare_stats=False)
+    driver.step("x", x, mode="train")
+    return driver.measure
+
+
+@check("F1.values", title="BatchNorm training forward equals the oracle (batch statistics, "
+       "biased variance)", ops=("batch_norm",))
+def batch_norm_train_values(ctx):
+    ctx.explore("drawn shapes and values", ns.batch_norm_inputs(), lambda case: _bn_train(ctx, case))
+
+
+@check("F5.values", title="BatchNorm eval forward uses the running statistics",
+       ops=("batch_norm",))
+def batch_norm_eval_values(ctx):
+    def body(args):
+        case, other_seed = args
+        x = case["x"]
+        driver = BatchNormDriver(ctx, x.shape[1], eps=case["eps"], momentum=case["momentum"],
+                                 weight=case["weight"], bias=case["bias"], compare_stats=False)
+        driver.step("x", x, mode="train", check_output=False)  # F1's business; sets state
+        driver.set_mode(False)
+        driver.step("x_eval", ArraySpec(x.shape, other_seed, 1.0, 2.0), mode="eval")
+        return driver.measure
+
+    ctx.explore("train once, eval on another batch",
+                st.tuples(ns.batch_norm_inputs(), ns.seeds), body)
+
+
+@check("F6.values", title="QK-norm scores equal the oracle", ops=("qk_norm_scores",))
+def qk_values(ctx):
+    @st.composite
+    def cases(draw):
+        q, k = draw(ns.qk_pairs(max_head_dim=160,
+                                max_magnitude=1e3 if ctx.dtype == np.float16 else 1e6),
+                    label="q, k")
+        d = q.shape[-1]
+        gains = draw(st.booleans(), label="learned gains")
+        qw = ArraySpec((d,), draw(ns.seeds, label="q gain seed"), 1.0, 0.5) if gains else None
+        kw = ArraySpec((d,), draw(ns.seeds, label="k gain seed"), 1.0, 0.5) if gains else None
+        return q, k, qw, kw, draw(ns.epsilons, label="eps")
+
+    ctx.explore("drawn q, k and gains", cases(),
+                lambda c: qk_scores_case(ctx, q=c[0], k=c[1], q_weight=c[2], k_weight=c[3],
+                                         eps=c[4])[0])

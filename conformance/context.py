@@ -1,0 +1,162 @@
+"""What a check sees: one backend, one dtype, a seed, and guarded calls into the backend.
+
+Every call into a backend goes through `Context.call`, which enforces the protocol's
+contract for every check alike: inputs are not modified, outputs are NumPy arrays of the
+expected shape and dtype; a raise is an error unless the backend's conventions declare
+that refusal, and NotImplementedError means unsupported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import HealthCheck, Phase, given, seed, settings
+
+from .assertions import CheckFailure, Measure
+from .cases import repro_snippet
+from .results import Record
+
+#: Shrinking re-runs a failing backend many times; it is opt-in (--shrink). Every drawn
+#: example is a printable recipe, so an unshrunk failure replays just as well.
+PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
+PHASES_WITH_SHRINK = PHASES + (Phase.shrink,)
+
+
+class Unsupported(Exception):
+    """The backend does not offer this (declared, or NotImplementedError)."""
+
+
+class Refused(Exception):
+    """The backend raised where the spec gives a value, as its conventions declare."""
+
+
+class BackendError(Exception):
+    """The adapter crashed or broke the protocol."""
+
+
+def _describe(a) -> str:
+    if isinstance(a, np.ndarray):
+        return f"array of shape {a.shape} and dtype {a.dtype}"
+    return f"{type(a).__name__} {a!r}"[:200]
+
+
+@dataclass
+class Context:
+    backend_name: str
+    source: str
+    backend: object
+    check_id: str
+    claim: str
+    op: str
+    dtype: np.dtype
+    seed: int
+    examples: int
+    conventions: object = None
+    shrink: bool = False
+    records: list[Record] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)
+
+    @property
+    def dtype_name(self) -> str:
+        return self.dtype.name
+
+    # ---------------------------------------------------------------- repro
+    def repro(self) -> str:
+        return repro_snippet(backend_source=self.source, dtype_name=self.dtype_name,
+                             inputs=self.inputs, calls=self.calls)
+
+    def use(self, **recipes):
+        """Register the input recipes of the current case; return them built in dtype."""
+        self.inputs.update(recipes)
+        built = [None if r is None else r.build(self.dtype) for r in recipes.values()]
+        return built[0] if len(built) == 1 else built
+
+    # ---------------------------------------------------------------- calls
+    def call(self, code: str, fn, *args, outputs_like=None, refusable: bool = False):
+        """Call the backend. `code` is the call as the repro writes it; `outputs_like`
+        maps Result field names (or "output" for a bare array) to the (shape, dtype) the
+        protocol requires."""
+        self.calls.append(code)
+        arrays = [(i, a, a.copy()) for i, a in enumerate(args) if isinstance(a, np.ndarray)]
+        try:
+            out = fn(*args)
+        except NotImplementedError as exc:
+            raise Unsupported(f"{code}: not implemented ({exc})" if str(exc) else
+                              f"{code}: not implemented") from exc
+        except Exception as exc:  # noqa: BLE001 - a backend's failure is a finding
+            message = f"{type(exc).__name__}: {exc}"
+            if refusable:
+                raise Refused(message) from exc
+            raise BackendError(f"{code} raised {message}") from exc
+        for i, a, before in arrays:
+            if not np.array_equal(a, before, equal_nan=True):
+                raise CheckFailure(f"got argument {i} modified in place, but the spec says "
+                                   f"inputs are never modified [{code}]", repro=self.repro())
+        for name, (shape, dtype) in (outputs_like or {}).items():
+            value = out if name == "output" and isinstance(out, np.ndarray) else getattr(out, name, None)
+            if not isinstance(value, np.ndarray):
+                raise CheckFailure(f"got {name} = {_describe(value)}, but the protocol says a "
+                                   f"NumPy array [{code}]", repro=self.repro())
+            if value.shape != tuple(shape) or value.dtype != np.dtype(dtype):
+                raise CheckFailure(
+                    f"got {name} of shape {value.shape} and dtype {value.dtype}, but the "
+                    f"spec says shape {tuple(shape)} and dtype {np.dtype(dtype)} [{code}]",
+                    repro=self.repro())
+        return out
+
+    # ---------------------------------------------------------------- cases
+    @contextlib.contextmanager
+    def case(self, name: str, *, op: str | None = None):
+        """One record: pass unless the body raises. Collects the body's measures."""
+        self.calls, self.inputs = [], {}
+        measure = Measure()
+        start = time.perf_counter()
+        status, message, reason = "pass", "", ""
+        try:
+            yield measure
+        except CheckFailure as exc:
+            status, message = "fail", str(exc)
+            if exc.measure is not None:
+                measure.absorb(exc.measure)
+        except Unsupported as exc:
+            status, message = "unsupported", str(exc)
+        except Refused as exc:
+            status, message = "refused", str(exc)
+        except BackendError as exc:
+            status, message = "error", str(exc)
+        except Exception as exc:  # noqa: BLE001 - e.g. a Hypothesis error about the backend
+            status, message = "error", f"{type(exc).__name__}: {exc}"
+        self.records.append(Record(
+            backend=self.backend_name, check=self.check_id, claim=self.claim,
+            op=op or self.op, dtype=self.dtype_name, case=name, status=status,
+            message=message, max_ulp=measure.max_ulp if measure.comparisons else None,
+            bound_ulp=measure.bound_ulp if measure.comparisons else None,
+            max_abs=measure.max_abs if measure.comparisons else None,
+            max_rel=measure.max_rel if measure.comparisons else None,
+            worst=measure.worst,
+            inputs="; ".join(f"{k} = {v.code(self.dtype_name)}" for k, v in self.inputs.items()
+                             if v is not None)[:4000],
+            repro=self.repro() if status in ("fail", "error", "refused") else "",
+            reason=reason, seed=self.seed, duration_s=round(time.perf_counter() - start, 4)))
+
+    def explore(self, name: str, strategy, body, *, op: str | None = None):
+        """A Hypothesis-driven case: `body(example, measure)` runs for each drawn example
+        (seeded with the run's seed, so a failure replays); the minimal failing example is
+        what the record shows."""
+        with self.case(f"{name} (hypothesis, {self.examples} examples, seed {self.seed})",
+                       op=op) as measure:
+
+            @seed(self.seed)
+            @settings(max_examples=self.examples, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck), print_blob=False,
+                      phases=PHASES_WITH_SHRINK if self.shrink else PHASES)
+            @given(strategy)
+            def run(example):
+                self.calls, self.inputs = [], {}
+                measure.absorb(body(example))
+
+            run()

@@ -1,0 +1,373 @@
+"""Deliberately broken backends, one defect each, derived from the correct `numpy`
+backend (or the oracle backend where a capability is needed). test_harness_catches.py
+shows which check catches which."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from normspec.impls.numpy_ref import NumpyBackend, NumpyBatchNorm, compute_dtype
+from normspec.impls.protocol import Conventions, Result
+from oracle_backend import OracleBackend, OracleBatchNorm
+
+
+class NaiveVariance(NumpyBackend):
+    """var = E[x^2] - E[x]^2: catastrophic cancellation for a large mean."""
+
+    def variance(self, v, axes, mu):
+        return np.maximum((v * v).mean(axis=axes, keepdims=True) - mu * mu, 0)
+
+
+class EpsOutsideSqrt(NumpyBackend):
+    """1 / (sqrt(var) + eps) instead of 1 / sqrt(var + eps)."""
+
+    def inv_std(self, var, eps):
+        return 1.0 / (np.sqrt(var) + eps)
+
+
+class NoEps(NumpyBackend):
+    """Ignores eps: 0 / 0 on constant rows."""
+
+    def inv_std(self, var, eps):
+        with np.errstate(divide="ignore"):
+            return 1.0 / np.sqrt(var)
+
+
+class RmsSubtractsMean(NumpyBackend):
+    """'RMSNorm' that centres first: LayerNorm without beta, which F3 says it is not."""
+
+    def mean_square(self, v, axes):
+        return self.variance(v, axes, v.mean(axis=axes, keepdims=True))
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+        centred = (x.astype(np.float64) - x.astype(np.float64).mean(axis=axes, keepdims=True))
+        return super().rms_norm(centred.astype(x.dtype), normalized_shape, weight, eps, grad_output)
+
+
+class HalfAccumulation(NumpyBackend):
+    """Accumulates squares in the input's own float16: overflows for rows around 1000."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        if x.dtype == np.float16:
+            axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+            mu = x.mean(axis=axes, keepdims=True, dtype=np.float16)
+            with np.errstate(over="ignore", invalid="ignore"):
+                var = ((x - mu) * (x - mu)).sum(axis=axes, keepdims=True, dtype=np.float16) / \
+                    np.float16(np.prod(normalized_shape))
+                y = (x - mu) / np.sqrt(var + np.float16(eps))
+            y = y * weight if weight is not None else y
+            y = y + bias if bias is not None else y
+            return Result(y.astype(x.dtype))
+        return super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        if x.dtype == np.float16:
+            axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+            with np.errstate(over="ignore", invalid="ignore"):
+                ms = (x * x).sum(axis=axes, keepdims=True, dtype=np.float16) / \
+                    np.float16(np.prod(normalized_shape))
+                y = x / np.sqrt(ms + np.float16(eps))
+            return Result((y * weight if weight is not None else y).astype(x.dtype))
+        return super().rms_norm(x, normalized_shape, weight, eps, grad_output)
+
+
+class WrongGradient(NumpyBackend):
+    """LayerNorm VJP that forgets the mean(h) term."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        res = super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        if grad_output is None:
+            return res
+        ct = compute_dtype(x.dtype)
+        axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+        h = grad_output.astype(ct) * (weight.astype(ct) if weight is not None else 1)
+        r = 1 / np.sqrt(x.astype(ct).var(axis=axes, keepdims=True) + ct.type(eps))
+        wrong = res.grad_input.astype(ct) + r * h.mean(axis=axes, keepdims=True)
+        return res._replace(grad_input=wrong.astype(x.dtype))
+
+
+class WrongRmsGradient(NumpyBackend):
+    """RMSNorm VJP as if the denominator did not depend on x."""
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        res = super().rms_norm(x, normalized_shape, weight, eps, grad_output)
+        if grad_output is None:
+            return res
+        ct = compute_dtype(x.dtype)
+        axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+        r = 1 / np.sqrt((x.astype(ct) ** 2).mean(axis=axes, keepdims=True) + ct.type(eps))
+        h = grad_output.astype(ct) * (weight.astype(ct) if weight is not None else 1)
+        return res._replace(grad_input=(r * h).astype(x.dtype))
+
+
+class DropsTail(NumpyBackend):
+    """A blocked kernel (block 64) that never visits the tail of a row whose length is
+    not a multiple of the block: the tail keeps whatever the output buffer held (zeros)."""
+
+    BLOCK = 64
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        d = int(np.prod(normalized_shape))
+        full = (d // self.BLOCK) * self.BLOCK
+        if full in (0, d):
+            return super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        rows = x.reshape(-1, d)
+        w = None if weight is None else weight.reshape(-1)[:full]
+        b = None if bias is None else bias.reshape(-1)[:full]
+        head = super().layer_norm(np.ascontiguousarray(rows[:, :full]), (full,), w, b, eps).output
+        out = np.zeros_like(rows)
+        out[:, :full] = head
+        return Result(out.reshape(x.shape))
+
+
+class AssumesContiguous(NumpyBackend):
+    """Reads its input's memory in order, as a kernel that ignores strides would."""
+
+    @staticmethod
+    def _memory_order(x):
+        return x if x.flags.c_contiguous else np.ascontiguousarray(x.T).reshape(x.shape)
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        return super().layer_norm(self._memory_order(x), normalized_shape, weight, bias, eps,
+                                  grad_output)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        return super().rms_norm(self._memory_order(x), normalized_shape, weight, eps, grad_output)
+
+
+class NanToZero(NumpyBackend):
+    """Fast-math style: NaN and inf are flushed to 0 before normalizing."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        clean = np.nan_to_num(x.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0).astype(x.dtype)
+        return super().layer_norm(clean, normalized_shape, weight, bias, eps, grad_output)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        clean = np.nan_to_num(x.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0).astype(x.dtype)
+        return super().rms_norm(clean, normalized_shape, weight, eps, grad_output)
+
+
+class WritesInput(NumpyBackend):
+    """Normalizes in place, into the caller's array."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        res = super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        x[...] = res.output
+        return res
+
+
+class Raises(NumpyBackend):
+    def layer_norm(self, *args, **kwargs):
+        raise RuntimeError("kernel launch failed")
+
+
+class Hangs(NumpyBackend):
+    def layer_norm(self, *args, **kwargs):
+        time.sleep(3600)
+
+
+class ReturnsNaN(NumpyBackend):
+    def layer_norm(self, x, *args, **kwargs):
+        res = super().layer_norm(x, *args, **kwargs)
+        return res._replace(output=np.full_like(res.output, np.nan))
+
+
+class WrongShape(NumpyBackend):
+    def layer_norm(self, x, *args, **kwargs):
+        res = super().layer_norm(x, *args, **kwargs)
+        return res._replace(output=res.output.reshape(-1))
+
+
+class WrongDtype(NumpyBackend):
+    def layer_norm(self, x, *args, **kwargs):
+        res = super().layer_norm(x, *args, **kwargs)
+        return res._replace(output=res.output.astype(np.float64))
+
+
+class DeclaresRefusalButAccepts(NumpyBackend):
+    conventions = Conventions(eps_zero={"layer_norm": False, "rms_norm": True,
+                                        "qk_norm_scores": True, "batch_norm": True})
+
+
+class QkWrongScale(NumpyBackend):
+    """Ignores the scale it is given (no 1/sqrt(d_k))."""
+
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        return super().qk_norm_scores(q, k, q_weight, k_weight, eps, 1.0)
+
+
+class QkNoNorm(NumpyBackend):
+    """Plain q . k / sqrt(d_k): no QK-norm, so the scores grow with the projections."""
+
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        ct = compute_dtype(q.dtype)
+        s = np.matmul(q.astype(ct), np.swapaxes(k.astype(ct), -1, -2)) * ct.type(scale)
+        return s.astype(q.dtype)
+
+
+class QkIgnoresGains(NumpyBackend):
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        return super().qk_norm_scores(q, k, None, None, eps, scale)
+
+
+class SoftcapClips(NumpyBackend):
+    """Hard clipping instead of c tanh(s / c)."""
+
+    def softcap(self, scores, cap):
+        return np.clip(scores, -cap, cap).astype(scores.dtype)
+
+
+# ---------------------------------------------------------------- BatchNorm defects
+def _bn_backend(layer_cls, base=NumpyBackend, **attrs):
+    class Broken(base):
+        def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats,
+                       dtype, weight=None, bias=None):
+            return layer_cls(self, num_features, eps, momentum, affine, track_running_stats,
+                             np.dtype(dtype), weight, bias)
+    for k, v in attrs.items():
+        setattr(Broken, k, v)
+    return Broken
+
+
+class _BiasedVarLayer(NumpyBatchNorm):
+    def update_running(self, mu, sum_sq, m):
+        super().update_running(mu, sum_sq * (m - 1) / m, m)  # stores sum_sq / m
+
+
+class _FlippedMomentumLayer(NumpyBatchNorm):
+    def update_running(self, mu, sum_sq, m):
+        keep = self.momentum
+        self.momentum = 1.0 - keep
+        try:
+            super().update_running(mu, sum_sq, m)
+        finally:
+            self.momentum = keep
+
+
+class _EvalBatchStatsLayer(NumpyBatchNorm):
+    def uses_batch_stats(self):
+        return True
+
+
+class _NoSingleValueErrorLayer(NumpyBatchNorm):
+    def forward(self, x, grad_output=None):
+        if x.size // x.shape[1] == 1 and self.training:
+            return Result(np.zeros_like(x))
+        return super().forward(x, grad_output)
+
+
+class _UnbiasedForwardLayer(NumpyBatchNorm):
+    """Normalizes the training output with the unbiased variance (m - 1)."""
+
+    def forward(self, x, grad_output=None):
+        if not self.uses_batch_stats():
+            return super().forward(x, grad_output)
+        m = x.size // x.shape[1]
+        x64 = x.astype(np.float64)
+        mean = x64.mean(axis=(0,) + tuple(range(2, x.ndim)), keepdims=True)
+        scaled = (x64 - mean) * np.sqrt((m - 1) / m)
+        return super().forward(scaled.astype(x.dtype), grad_output)
+
+
+class _StatsConstantGradLayer(NumpyBatchNorm):
+    """dL/dx as if the batch statistics did not depend on x."""
+
+    def forward(self, x, grad_output=None):
+        res = super().forward(x, grad_output)
+        if grad_output is None:
+            return res
+        axes = (0,) + tuple(range(2, x.ndim))
+        bshape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+        r = 1 / np.sqrt(x.astype(np.float64).var(axis=axes, keepdims=True) + self.eps)
+        w = self.weight.astype(np.float64).reshape(bshape) if self.weight is not None else 1.0
+        return res._replace(grad_input=(r * grad_output * w).astype(x.dtype))
+
+
+class _GradsAccumulateLayer(NumpyBatchNorm):
+    """Returns gradients summed over every forward so far (a framework's .grad that was
+    never zeroed)."""
+
+    def forward(self, x, grad_output=None):
+        res = super().forward(x, grad_output)
+        if grad_output is None or res.grad_weight is None:
+            return res
+        self._acc = getattr(self, "_acc", 0) + res.grad_weight.astype(np.float64)
+        return res._replace(grad_weight=self._acc.astype(res.grad_weight.dtype))
+
+
+class _LazyUpdateLayer(NumpyBatchNorm):
+    """Defers the running-statistics update to every second forward (as if at step())."""
+
+    def update_running(self, mu, sum_sq, m):
+        self._pending = getattr(self, "_pending", 0) + 1
+        if self._pending % 2 == 0:
+            super().update_running(mu, sum_sq, m)
+
+
+class _CumulativeIgnoredLayer(NumpyBatchNorm):
+    def update_running(self, mu, sum_sq, m):
+        keep = self.momentum
+        self.momentum = 0.1 if keep is None else keep
+        try:
+            super().update_running(mu, sum_sq, m)
+        finally:
+            self.momentum = keep
+
+
+class _UntrackedEvalUsesInitLayer(NumpyBatchNorm):
+    """track_running_stats=False, but eval normalizes with the initial 0 / 1."""
+
+    def forward(self, x, grad_output=None):
+        if not self.training and self._mean is None:
+            c = x.shape[1]
+            self._mean, self._var = np.zeros(c, self.ct), np.ones(c, self.ct)
+            try:
+                return super().forward(x, grad_output)
+            finally:
+                self._mean = self._var = None
+        return super().forward(x, grad_output)
+
+
+class _NoGradSkipsLayer(OracleBatchNorm):
+    def forward_no_grad(self, x):
+        keep = self.training
+        self.training = False  # "no_grad means validation"
+        try:
+            return self.forward(x).output
+        finally:
+            self.training = keep
+
+
+class _ChannelLastStatsLayer(NumpyBatchNorm):
+    """Statistics over axis 0 only (per channel and position), not over N and L."""
+
+    def _shape(self, x):
+        return (0,), (1,) + tuple(x.shape[1:])
+
+    def forward(self, x, grad_output=None):
+        if x.ndim > 2 and x.shape[0] == 1 and self.training:
+            raise ValueError("Expected more than 1 value per channel when training")
+        return super().forward(x, grad_output)
+
+
+BiasedRunningVar = _bn_backend(_BiasedVarLayer)
+FlippedMomentum = _bn_backend(_FlippedMomentumLayer)
+EvalUsesBatchStats = _bn_backend(_EvalBatchStatsLayer)
+NoSingleValueError = _bn_backend(_NoSingleValueErrorLayer)
+UnbiasedForward = _bn_backend(_UnbiasedForwardLayer)
+StatsConstantGrad = _bn_backend(_StatsConstantGradLayer)
+GradsAccumulate = _bn_backend(_GradsAccumulateLayer)
+LazyUpdate = _bn_backend(_LazyUpdateLayer)
+CumulativeIgnored = _bn_backend(_CumulativeIgnoredLayer)
+UntrackedEvalUsesInit = _bn_backend(_UntrackedEvalUsesInitLayer)
+ChannelLastStats = _bn_backend(_ChannelLastStatsLayer)
+
+
+class NoGradSkipsUpdate(OracleBackend):
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        return _NoGradSkipsLayer(num_features, eps, momentum, affine, track_running_stats,
+                                 np.dtype(dtype), weight, bias)
+

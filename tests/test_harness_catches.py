@@ -1,0 +1,131 @@
+"""Every conformance check can fail: each is run on a deliberately broken backend that
+it must catch, and on the oracle backend and the correct numpy backend, which must pass.
+The table below is the proof, check by check."""
+
+from __future__ import annotations
+
+import broken_backends as bb
+import pytest
+from normspec.conformance import runner
+from normspec.conformance.checks import all_checks
+from normspec.impls.numpy_ref import NumpyBackend
+from normspec.impls.registry import LoadedBackend
+from oracle_backend import OracleBackend
+
+# check id -> (broken backend, dtype on which the defect shows)
+CATCHES = {
+    "F2.values": (bb.DropsTail, "float32"),
+    "F3.values": (bb.RmsSubtractsMean, "float32"),
+    "F1.values": (bb.UnbiasedForward, "float32"),
+    "F5.values": (bb.EvalUsesBatchStats, "float32"),
+    "F6.values": (bb.QkWrongScale, "float32"),
+    "F2.grad": (bb.WrongGradient, "float32"),
+    "F3.grad": (bb.WrongRmsGradient, "float32"),
+    "F1.grad": (bb.StatsConstantGrad, "float32"),
+    "B1.layer_norm_shift": (bb.NaiveVariance, "float32"),
+    "B1.rms_norm_shift": (bb.RmsSubtractsMean, "float32"),
+    "B2.layer_norm_scale": (bb.EpsOutsideSqrt, "float32"),
+    "B2.rms_norm_scale": (bb.EpsOutsideSqrt, "float32"),
+    "E3.train_then_eval": (bb.BiasedRunningVar, "float32"),
+    "F4.running_stats": (bb.FlippedMomentum, "float32"),
+    "F4.cumulative_momentum": (bb.CumulativeIgnored, "float32"),
+    "F5.untracked": (bb.UntrackedEvalUsesInit, "float32"),
+    "B3.batch_of_one_train": (bb.NoSingleValueError, "float32"),
+    "B3.batch_of_one_eval": (bb.EvalUsesBatchStats, "float32"),
+    "B3.single_sample_sequence": (bb.ChannelLastStats, "float32"),
+    "B4.train_eval_divergence": (bb.EvalUsesBatchStats, "float32"),
+    "B7.accumulation": (bb.GradsAccumulate, "float32"),
+    "B5.update_every_forward": (bb.LazyUpdate, "float32"),
+    "B6.no_grad_still_updates": (bb.NoGradSkipsUpdate, "float32"),
+    "E7.bound": (bb.QkNoNorm, "float32"),
+    "E6.scale_invariance": (bb.QkNoNorm, "float32"),
+    "E7.gains": (bb.QkIgnoresGains, "float32"),
+    "E8.rope": (bb.QkNoNorm, "float32"),
+    "F7.softcap": (bb.SoftcapClips, "float32"),
+    "F2/F3.half_overflow": (bb.HalfAccumulation, "float16"),
+    "F2.large_mean_tiny_spread": (bb.NaiveVariance, "float32"),
+    "F2/F3.degenerate_rows": (bb.NoEps, "float32"),
+    "F2/F3.non_contiguous": (bb.AssumesContiguous, "float32"),
+    "F2/F3.nan_inf": (bb.NanToZero, "float32"),
+    "protocol.shape_dtype_inputs": (bb.WritesInput, "float32"),
+    "F4.declared_estimator": (bb.BiasedRunningVar, "float32"),
+    "F4.momentum_meaning": (bb.FlippedMomentum, "float32"),
+    "protocol.eps_zero": (bb.DeclaresRefusalButAccepts, "float32"),
+}
+
+# the issue's list of defects, each with a check that catches it
+DEFECTS = {
+    "variance as E[x^2] - E[x]^2": (bb.NaiveVariance, "B1.layer_norm_shift", "float32"),
+    "eps outside the sqrt": (bb.EpsOutsideSqrt, "B2.layer_norm_scale", "float32"),
+    "a biased running variance": (bb.BiasedRunningVar, "F4.running_stats", "float32"),
+    "the momentum meaning flipped": (bb.FlippedMomentum, "F4.momentum_meaning", "float32"),
+    "eval using batch statistics": (bb.EvalUsesBatchStats, "F5.values", "float32"),
+    "an RMSNorm that subtracts the mean": (bb.RmsSubtractsMean, "F3.values", "float32"),
+    "float16 accumulation of squares": (bb.HalfAccumulation, "F2/F3.half_overflow", "float16"),
+    "a wrong gradient": (bb.WrongGradient, "F2.grad", "float32"),
+    "a kernel that drops the tail of rows": (bb.DropsTail, "F2.values", "float32"),
+    "an adapter that writes into its input": (bb.WritesInput, "protocol.shape_dtype_inputs",
+                                              "float32"),
+}
+
+CHECKS = {c.id: c for c in all_checks()}
+
+
+def run(backend_obj, check_id, dtype, examples=5, timeout=60.0):
+    loaded = LoadedBackend(backend_obj.name, "tests", backend=backend_obj)
+    return runner.run_check(loaded, CHECKS[check_id], dtype, seed=0, examples=examples,
+                            timeout=timeout)
+
+
+def test_every_check_has_a_broken_backend_that_it_catches():
+    assert sorted(CHECKS) == sorted(CATCHES)
+
+
+@pytest.mark.parametrize("check_id", sorted(CATCHES))
+def test_check_catches_its_broken_backend(check_id):
+    broken, dtype = CATCHES[check_id]
+    records = run(broken(), check_id, dtype)
+    statuses = {r.status for r in records}
+    assert statuses & {"fail", "error"}, f"{broken.__name__} slipped through {check_id}: " + \
+        "; ".join(f"{r.case}: {r.status}" for r in records)
+
+
+@pytest.mark.parametrize("check_id", sorted(CATCHES))
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_check_passes_on_the_oracle(check_id, dtype):
+    records = run(OracleBackend(), check_id, dtype)
+    bad = [f"{r.case}: {r.status}: {r.message}" for r in records if r.status != "pass"]
+    assert [] == bad
+
+
+@pytest.mark.parametrize("check_id", sorted(CATCHES))
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_check_passes_on_the_numpy_backend(check_id, dtype):
+    records = run(NumpyBackend(), check_id, dtype)
+    allowed = {"pass"} | ({"unsupported"} if check_id == "B6.no_grad_still_updates" else set())
+    bad = [f"{r.case}: {r.status}: {r.message}" for r in records if r.status not in allowed]
+    assert [] == bad
+
+
+@pytest.mark.parametrize("defect", sorted(DEFECTS))
+def test_issue_defects_are_caught(defect):
+    broken, check_id, dtype = DEFECTS[defect]
+    statuses = {r.status for r in run(broken(), check_id, dtype)}
+    assert "fail" in statuses
+
+
+@pytest.mark.parametrize("broken,expected", [
+    (bb.Raises, "error"), (bb.ReturnsNaN, "fail"), (bb.WrongShape, "fail"),
+    (bb.WrongDtype, "fail"), (bb.WritesInput, "fail"),
+])
+def test_misbehaving_adapter_fails_that_check_alone(broken, expected):
+    records = run(broken(), "F2.values", "float32")
+    assert expected in {r.status for r in records}
+    others = run(broken(), "F3.values", "float32")
+    assert {"pass"} == {r.status for r in others}
+
+
+def test_a_hanging_adapter_times_out_and_the_run_goes_on():
+    records = run(bb.Hangs(), "F2.values", "float32", timeout=2.0)
+    assert records[-1].status == "error" and "timed out after 2 s" in records[-1].message
+    assert {"pass"} == {r.status for r in run(bb.Hangs(), "F3.values", "float32")}
