@@ -18,7 +18,8 @@ DEFAULT_JSON = "results/results.json"
 DEFAULT_HTML = "reports/conformance.html"
 
 
-def _print_table(rows: list[list[str]], out=sys.stdout) -> None:
+def _print_table(rows: list[list[str]], out=None) -> None:
+    out = out or sys.stdout
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for n, r in enumerate(rows):
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip(), file=out)
@@ -92,8 +93,9 @@ def run_all(args) -> dict:
     return doc
 
 
-def print_summary(doc: dict, out=sys.stdout) -> int:
+def print_summary(doc: dict, out=None) -> int:
     """The per-backend status table and every failure; returns the number failing."""
+    out = out or sys.stdout
     counts = results.summarize(doc["records"])
     rows = [["backend", "version", *results.STATUSES, "verdict"]]
     for b in doc["backends"]:
