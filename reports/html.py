@@ -12,7 +12,6 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import jinja2
-
 from normspec.conformance import results
 from normspec.conformance.claims import CLAIMS, claim_text
 
@@ -36,6 +35,8 @@ def _column_keys(doc) -> list[str]:
             runs_of[b["name"]].append(b["run"])
     keys = []
     for b in doc["backends"]:
+        if not b["available"]:
+            continue  # listed in the verdicts with the reason; no column of empty cells
         key = b["name"] if len(runs_of[b["name"]]) == 1 else f"{b['name']} ({b['run']})"
         if key not in keys:
             keys.append(key)

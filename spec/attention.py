@@ -7,10 +7,11 @@ import numbers
 
 import numpy as np
 
-from ._validate import as_float64, check_eps, check_param_shape, optional_float64
+from ._validate import as_float64, check_eps, check_param_shape, ieee, optional_float64
 from .rms_norm import RMS_NORM_DEFAULT_EPS, rms_norm
 
 
+@ieee
 def softmax(x, axis=-1):
     """softmax(x)_i = exp(x_i - max x) / sum_j exp(x_j - max x); the shift changes nothing
     mathematically and keeps exp from overflowing (E5)."""
@@ -19,6 +20,7 @@ def softmax(x, axis=-1):
     return z / z.sum(axis=axis, keepdims=True)
 
 
+@ieee
 def qk_norm_scores(q, k, q_weight=None, k_weight=None, eps=RMS_NORM_DEFAULT_EPS, scale=None):
     """F6: s = RMSNorm(q) . RMSNorm(k) * scale, per head, scale = 1/sqrt(d_k) by default.
 
@@ -52,6 +54,7 @@ def qk_norm_scores(q, k, q_weight=None, k_weight=None, eps=RMS_NORM_DEFAULT_EPS,
     return np.matmul(q_hat, np.swapaxes(k_hat, -1, -2)) * float(scale)
 
 
+@ieee
 def softcap(scores, cap):
     """F7: s -> cap * tanh(s / cap), which keeps every score inside (-cap, cap)."""
     s = as_float64("scores", scores)
@@ -60,6 +63,7 @@ def softcap(scores, cap):
     return cap * np.tanh(s / cap)
 
 
+@ieee
 def rope(x, positions, base=10000.0):
     """Rotary position embedding, the "rotate half" layout (GPT-NeoX, Llama, Gemma).
 

@@ -12,6 +12,7 @@ from ._validate import (
     check_momentum,
     check_param_shape,
     check_same_shape,
+    ieee,
     optional_float64,
 )
 
@@ -65,6 +66,7 @@ def _params(x, weight, bias, running_mean, running_var):
     return out
 
 
+@ieee
 def batch_norm_train(x, running_mean, running_var, weight=None, bias=None,
                      momentum=0.1, eps=1e-5, *, num_batches_tracked=0):
     """F1 + F4: training-mode forward; returns (y, new_running_mean, new_running_var).
@@ -100,6 +102,7 @@ def batch_norm_train(x, running_mean, running_var, weight=None, bias=None,
     return y, new_mean, new_var
 
 
+@ieee
 def batch_norm_eval(x, running_mean, running_var, weight=None, bias=None, eps=1e-5):
     """F5: eval-mode forward, y = gamma (x - running_mean) / sqrt(running_var + eps) + beta.
 
@@ -117,6 +120,7 @@ def batch_norm_eval(x, running_mean, running_var, weight=None, bias=None, eps=1e
     return _affine((x - mean) / np.sqrt(var + eps), weight, bias, bshape)
 
 
+@ieee
 def batch_norm_train_vjp(x, grad_output, weight=None, bias=None, eps=1e-5):
     """Closed-form gradients of the F1 training forward (batch statistics depend on x).
 

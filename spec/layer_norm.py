@@ -9,11 +9,13 @@ from ._validate import (
     check_eps,
     check_param_shape,
     check_same_shape,
+    ieee,
     normalized_axes,
     optional_float64,
 )
 
 
+@ieee
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """F2: y = gamma * (x - mu) / sqrt(var + eps) + beta, per sample.
 
@@ -41,6 +43,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     return y
 
 
+@ieee
 def layer_norm_vjp(x, normalized_shape, grad_output, weight=None, bias=None, eps=1e-5):
     """Closed-form gradients of F2 for an upstream gradient g = dL/dy.
 

@@ -9,6 +9,7 @@ from ._validate import (
     check_eps,
     check_param_shape,
     check_same_shape,
+    ieee,
     normalized_axes,
     optional_float64,
 )
@@ -19,6 +20,7 @@ from ._validate import (
 RMS_NORM_DEFAULT_EPS = 1e-6
 
 
+@ieee
 def rms_norm(x, normalized_shape, weight=None, eps=RMS_NORM_DEFAULT_EPS):
     """F3: y = gamma * x / sqrt(mean(x^2) + eps) over the trailing `normalized_shape` axes.
 
@@ -40,6 +42,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=RMS_NORM_DEFAULT_EPS):
     return y
 
 
+@ieee
 def rms_norm_vjp(x, normalized_shape, grad_output, weight=None, eps=RMS_NORM_DEFAULT_EPS):
     """Closed-form gradients of F3 for an upstream gradient g = dL/dy.
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from normspec.conformance import cli
 from normspec.impls import registry
 
