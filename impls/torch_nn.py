@@ -97,6 +97,30 @@ class TorchBackend(Backend):
             s = q_norm(to_torch(q)) @ k_norm(to_torch(k)).transpose(-1, -2) * scale
         return to_numpy(s)
 
+    def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, backward):
+        """The op on tensors made once, for `normspec bench` (conversions not timed)."""
+        torch, fn = self.torch, self.torch.nn.functional
+        x_t, g = to_torch(x), torch.ones(x.shape, dtype=torch_dtype(x.dtype))
+        w = to_torch(weight).requires_grad_(backward)
+        b = to_torch(bias).requires_grad_(backward) if bias is not None else None
+        if op == "layer_norm":
+            def f(v):
+                return fn.layer_norm(v, normalized_shape, w, b, eps)
+        else:
+            def f(v):
+                return fn.rms_norm(v, normalized_shape, w, eps)
+        if not backward:
+            def run():
+                with torch.no_grad():
+                    f(x_t)
+            return run
+        x_t.requires_grad_(True)
+
+        def run_backward():
+            x_t.grad = w.grad = None
+            f(x_t).backward(g)
+        return run_backward
+
     def softcap(self, scores, cap):
         s = to_torch(scores)
         return to_numpy(cap * self.torch.tanh(s / cap))

@@ -201,6 +201,9 @@ class TritonBackend(Backend):
         mode = "GPU" if self.device == "cuda" else "interpreter (TRITON_INTERPRET=1, CPU)"
         self.version = f"{self.triton.__version__} ({mode})"
         self.k = _build(self.triton, tl)
+        #: the interpreter runs each program in Python: its times say nothing about a GPU
+        self.benchmark_skip_reason = None if self.device == "cuda" else \
+            "Triton interpreter on CPU (TRITON_INTERPRET=1); time it on a GPU"
 
     def _t(self, a):
         return to_torch(np.ascontiguousarray(a), self.device)

@@ -1,0 +1,54 @@
+"""The built-in backends through the whole suite: torch, numba and triton conform to
+every check they support (documented deviations and declared refusals aside); the known
+facts of claims.md about torch and Flax show up as what they are."""
+
+from __future__ import annotations
+
+import pytest
+
+from normspec.conformance import runner
+
+DTYPES = ["float32", "float16", "bfloat16", "float64"]
+
+
+@pytest.fixture(scope="module")
+def results_by_backend():
+    cache = {}
+
+    def get(name, checks=None):
+        key = (name, tuple(checks or ()))
+        if key not in cache:
+            cache[key] = runner.run([name], checks=checks, dtypes=DTYPES, seed=0, examples=4)
+        return cache[key]["records"]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["torch", "numba", "triton"])
+def test_backend_conforms_to_every_check_it_supports(results_by_backend, name):
+    records = results_by_backend(name)
+    bad = [f"{r['check']} {r['dtype']} {r['case']}: {r['status']}: {r['message'][:200]}"
+           for r in records if r["status"] in ("fail", "error")]
+    assert [] == bad
+    assert sum(r["status"] == "pass" for r in records) > 100
+
+
+def test_torch_refuses_eps_zero_in_batchnorm_training(results_by_backend):
+    refused = [r for r in results_by_backend("torch", ["E3"]) if r["status"] == "refused"]
+    assert {r["dtype"] for r in refused} == set(DTYPES)
+    assert all("batch_norm eps must be positive during training" in r["message"] for r in refused)
+
+
+def test_flax_biased_running_variance_is_a_deviation_never_a_pass(results_by_backend):
+    records = results_by_backend("jax", ["F4.running_stats", "F4.declared_estimator"])
+    stats = [r for r in records if r["check"] == "F4.running_stats"]
+    assert {"deviation"} == {r["status"] for r in stats}
+    assert all("biased" in r["reason"] for r in stats)
+    # Flax declares the biased estimator, and that declaration is true
+    assert {"pass"} == {r["status"] for r in records if r["check"] == "F4.declared_estimator"}
+
+
+def test_flax_fast_variance_fails_the_large_shift(results_by_backend):
+    records = results_by_backend("jax", ["B1.layer_norm_shift"])
+    f32 = [r for r in records if r["dtype"] == "float32"]
+    assert {"fail"} == {r["status"] for r in f32}
