@@ -25,7 +25,6 @@ import statistics
 import time
 
 import numpy as np
-
 from normspec.impls import registry
 
 from . import results

@@ -38,8 +38,10 @@ def _batch_stats(x: np.ndarray):
             f"expected more than 1 value per channel in training, got input of shape "
             f"{tuple(x.shape)} (m = {m} value per channel; B3)"
         )
-    # mu_j = (1/m) sum x_ij ;  sum_sq_j = sum (x_ij - mu_j)^2
+    # mu_j = (1/m) sum x_ij, refined once by the residuals' mean (see layer_norm);
+    # sum_sq_j = sum (x_ij - mu_j)^2
     mu = x.mean(axis=reduce_axes, keepdims=True)
+    mu = mu + (x - mu).mean(axis=reduce_axes, keepdims=True)
     sum_sq = ((x - mu) ** 2).sum(axis=reduce_axes, keepdims=True)
     return mu, sum_sq, m, reduce_axes, bshape
 

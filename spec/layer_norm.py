@@ -15,6 +15,11 @@ from ._validate import (
 )
 
 
+def _refined_mean(x, axes):
+    mu = x.mean(axis=axes, keepdims=True)
+    return mu + (x - mu).mean(axis=axes, keepdims=True)
+
+
 @ieee
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """F2: y = gamma * (x - mu) / sqrt(var + eps) + beta, per sample.
@@ -29,8 +34,9 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     check_param_shape("weight", weight, x.shape[axes[0]:])
     check_param_shape("bias", bias, x.shape[axes[0]:])
     eps = check_eps(eps)
-    # mu = (1/d) sum_j x_j
-    mu = x.mean(axis=axes, keepdims=True)
+    # mu = (1/d) sum_j x_j, refined once by the mean of the residuals, so the oracle's
+    # own rounding of mu is ~u * spread, not ~u * |mu|
+    mu = _refined_mean(x, axes)
     # var = (1/d) sum_j (x_j - mu)^2, two-pass so the oracle itself does not cancel
     var = ((x - mu) ** 2).mean(axis=axes, keepdims=True)
     # x_hat = (x - mu) / sqrt(var + eps)
@@ -61,7 +67,7 @@ def layer_norm_vjp(x, normalized_shape, grad_output, weight=None, bias=None, eps
     check_param_shape("bias", optional_float64("bias", bias), x.shape[axes[0]:])
     eps = check_eps(eps)
     batch_axes = tuple(range(axes[0]))
-    mu = x.mean(axis=axes, keepdims=True)
+    mu = _refined_mean(x, axes)
     r = 1.0 / np.sqrt(((x - mu) ** 2).mean(axis=axes, keepdims=True) + eps)
     x_hat = (x - mu) * r
     h = g * weight if weight is not None else g

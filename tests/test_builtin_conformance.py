@@ -5,7 +5,6 @@ facts of claims.md about torch and Flax show up as what they are."""
 from __future__ import annotations
 
 import pytest
-
 from normspec.conformance import runner
 
 DTYPES = ["float32", "float16", "bfloat16", "float64"]

@@ -50,8 +50,11 @@ epsilons = st.sampled_from([1e-5, 1e-3, 0.5])
 @given(row=rows, eps=epsilons)
 def test_F2_layer_norm_agrees_with_exact_arithmetic(row, eps):
     expected = exact_layer_norm(row, eps)
-    np.testing.assert_allclose(s.layer_norm(np.array(row), (len(row),), eps=eps), expected,
-                               rtol=1e-12, atol=1e-12)
+    x = np.array(row)
+    # float64 rounding of the centring, amplified by kappa = 1 + mean|x| / sqrt(var + eps)
+    kappa = 1 + np.abs(x).mean() / np.sqrt(x.var() + eps)
+    np.testing.assert_allclose(s.layer_norm(x, (len(row),), eps=eps), expected,
+                               rtol=0, atol=64 * 2.0**-53 * kappa)
 
 
 @settings(max_examples=60, deadline=None)

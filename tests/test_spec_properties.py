@@ -5,12 +5,9 @@ import ml_dtypes
 import normspec.spec as s
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from normspec.conformance import strategies as ns
-
-settings.register_profile("normspec-spec", max_examples=80, deadline=None)
-settings.load_profile("normspec-spec")
 
 
 @given(data=st.data())
