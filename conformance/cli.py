@@ -9,6 +9,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
+from pathlib import Path
 
 from normspec.impls import registry
 
@@ -144,8 +145,14 @@ def cmd_run(args) -> int:
 def cmd_report(args) -> int:
     from normspec.reports import html
 
-    docs = []
-    for f in args.files:
+    docs, files = [], []
+    for f in map(Path, args.files):
+        # a folder stands for every results file in it (tox envs write to one folder)
+        files += sorted(f.glob("*.json")) if f.is_dir() else [f]
+    if not files:
+        print(f"normspec report: no results files in {' '.join(args.files)}", file=sys.stderr)
+        return 2
+    for f in files:
         try:
             docs.append(results.read(f))
         except (OSError, ValueError) as exc:
@@ -199,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_run)
 
     rep = sub.add_parser("report", help="merge results JSON files into one HTML report")
-    rep.add_argument("files", nargs="+", help="results JSON files")
+    rep.add_argument("files", nargs="+", help="results JSON files, or folders of them")
     rep.add_argument("-o", "--output", default=DEFAULT_HTML)
     rep.set_defaults(fn=cmd_report)
 

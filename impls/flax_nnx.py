@@ -16,6 +16,7 @@ to the numbers is what normspec reports.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -38,6 +39,10 @@ def _import():
     except ImportError as exc:
         raise BackendUnavailable(f"jax/flax is not installed: {exc}") from exc
     jax.config.update("jax_enable_x64", True)  # float64 is one of the dtypes under test
+    # Flax keeps BatchNorm statistics in float32 and updates them from float64 batches;
+    # JAX warns about that cast on every update. It is Flax's design, reported as data.
+    warnings.filterwarnings("ignore", message="scatter inputs have incompatible types",
+                            category=FutureWarning)
     return flax, jax, jnp, nnx
 
 

@@ -371,3 +371,13 @@ class NoGradSkipsUpdate(OracleBackend):
         return _NoGradSkipsLayer(num_features, eps, momentum, affine, track_running_stats,
                                  np.dtype(dtype), weight, bias)
 
+
+
+# each broken backend reports under its own name (the class name) in results and reports
+for _cls in list(globals().values()):
+    if isinstance(_cls, type) and issubclass(_cls, (NumpyBackend, OracleBackend)) \
+            and _cls not in (NumpyBackend, OracleBackend) and not _cls.__name__.startswith("_"):
+        _cls.name = _cls.__name__
+for _alias, _cls in list(globals().items()):
+    if isinstance(_cls, type) and _cls.__name__ == "Broken":
+        _cls.name = _alias

@@ -1,0 +1,137 @@
+"""The HTML report: parsed (the matrix, every failure, no external URL), merged from
+several runs, and rendered in headless Chromium, whose screenshot must not be blank."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+from normspec.conformance import cli, results, runner
+
+CHECKS = ["F2.values", "B1.layer_norm_shift", "F3.values", "F4.running_stats"]
+
+
+class Page(HTMLParser):
+    """Collects tables (as rows of cell texts), attribute URLs and all text."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self.urls, self.text = [], [], []
+        self._row, self._cell = None, None
+
+    def handle_starttag(self, tag, attrs):
+        for name, value in attrs:
+            if name in ("src", "href", "xlink:href", "action") and value:
+                self.urls.append(value)
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self._row = []
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self._row.append("".join(self._cell).strip())
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self.tables[-1].append(self._row)
+            self._row = None
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    """Two runs, as two tox envs would write them: one with a broken backend."""
+    out = tmp_path_factory.mktemp("results")
+    good = runner.run(["numpy"], checks=CHECKS, dtypes=["float32", "float16"], examples=3,
+                      label="env-good")
+    bad = runner.run(["broken_backends:NaiveVariance"], checks=CHECKS,
+                     dtypes=["float32", "float16"], examples=3, label="env-broken")
+    results.write(good, out / "good.json")
+    results.write(bad, out / "bad.json")
+    report = out / "conformance.html"
+    assert cli.main(["report", str(out), "-o", str(report)]) == 0
+    return good, bad, report
+
+
+def parse(path: Path) -> Page:
+    page = Page()
+    page.feed(path.read_text(encoding="utf-8"))
+    return page
+
+
+def test_matrix_has_every_check_and_both_runs(merged):
+    good, bad, report = merged
+    page = parse(report)
+    matrix = next(t for t in page.tables if t and t[0] and t[0][0] == "check")
+    assert sorted(matrix[0][1:]) == ["NaiveVariance", "numpy"]
+    check_rows = {row[0] for row in matrix[2:]}
+    assert set(CHECKS) <= check_rows
+    symbols = {cell for row in matrix[2:] if row[0] in CHECKS for cell in row[1:]}
+    assert {"✓", "✗"} <= symbols
+
+
+def test_every_failure_is_in_the_report(merged):
+    _, bad, report = merged
+    text = " ".join(parse(report).text)
+    failures = [r for r in bad["records"] if r["status"] == "fail"]
+    assert failures, "the broken backend must fail something"
+    for r in failures:
+        assert r["message"][:120] in text
+    assert "B1" in text and "LayerNorm is invariant to adding a constant" in text
+    assert "env-broken" in text and "env-good" in text
+
+
+def test_the_report_needs_no_network(merged):
+    _, _, report = merged
+    page = parse(report)
+    assert [] == [u for u in page.urls if not u.startswith("#")]
+    raw = report.read_text(encoding="utf-8")
+    assert re.search(r"url\(\s*['\"]?https?:", raw) is None
+    assert "<script src" not in raw and "<link " not in raw
+
+
+def test_summary_matches_the_json(merged, capsys):
+    _, bad, _ = merged
+    cli.print_summary(bad)
+    out = capsys.readouterr().out
+    fails = sum(r["status"] == "fail" for r in bad["records"])
+    assert f"{fails} failing record(s):" in out
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    message = "headless Chromium is needed (Debian: apt-get install chromium)"
+    if os.environ.get("CI"):
+        pytest.fail(message + "; .ci/run installs it")
+    pytest.skip(message)
+
+
+def test_report_renders_in_headless_chromium(merged, tmp_path):
+    _, _, report = merged
+    shot = tmp_path / "shot.png"
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+           "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,1600",
+           f"--screenshot={shot}", report.as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert shot.exists(), proc.stderr[-2000:]
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float64)
+    assert pixels.shape[0] > 500 and pixels.shape[1] > 500
+    assert pixels.std() > 10, "the screenshot is blank"
+    assert len(np.unique(pixels)) > 30, "the screenshot has almost no content"
