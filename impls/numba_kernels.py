@@ -15,6 +15,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from ._running import RunningStats
 from .protocol import (
     Backend,
     BackendUnavailable,
@@ -337,39 +338,32 @@ class NumbaBatchNorm(BatchNormLayer):
         self.affine = affine
         self.w = _param(weight if affine else None, c, np.float64, 1.0)
         self.b = _param(bias if affine else None, c, np.float64, 0.0)
-        self._mean = np.zeros(c, self.ct) if track else None
-        self._var = np.ones(c, self.ct) if track else None
-        self.t = 0
+        self.stats = RunningStats(c, track, self.ct, dtype, momentum)
         self.training = True
 
     @property
     def running_mean(self):
-        return None if self._mean is None else self._mean.astype(self.dtype)
+        return self.stats.reported()[0]
 
     @property
     def running_var(self):
-        return None if self._var is None else self._var.astype(self.dtype)
+        return self.stats.reported()[1]
 
     def forward(self, x, grad_output=None):
         n, c = x.shape[:2]
         x3 = np.ascontiguousarray(x, dtype=self.ct).reshape(n, c, -1)
         m = n * x3.shape[2]
-        batch = self.training or self._mean is None
-        if batch:
+        if self.training or not self.stats.tracked:
             if m <= 1:
                 raise ValueError(f"Expected more than 1 value per channel when training, "
                                  f"got input of shape {x.shape}")
             mean, sumsq = np.empty(c), np.empty(c)
             self.k["bn_stats"](x3, mean, sumsq)
             var = sumsq / m
-            if self.training and self._mean is not None:
-                self.t += 1
-                a = 1.0 / self.t if self.momentum is None else self.momentum
-                # run <- (1 - a) run + a stat, with the unbiased variance (F4)
-                self._mean = ((1 - a) * self._mean + a * mean).astype(self.ct)
-                self._var = ((1 - a) * self._var + a * sumsq / (m - 1)).astype(self.ct)
+            if self.training and self.stats.tracked:
+                self.stats.update(mean, sumsq, m)
         else:
-            mean, var = self._mean.astype(np.float64), self._var.astype(np.float64)
+            mean, var = self.stats.mean.astype(np.float64), self.stats.var.astype(np.float64)
         y = np.empty(x3.shape)
         self.k["bn_apply"](x3, mean, var, self.w, self.b, float(self.eps), y)
         out = y.reshape(x.shape).astype(self.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from ._running import RunningStats
 from .protocol import Backend, BatchNormLayer, Capabilities, Conventions, Result
 
 HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -115,31 +116,25 @@ class NumpyBatchNorm(BatchNormLayer):
         self.ct = compute_dtype(dtype)
         self.weight = (np.ones(c, dtype) if weight is None else np.asarray(weight, dtype)) if affine else None
         self.bias = (np.zeros(c, dtype) if bias is None else np.asarray(bias, dtype)) if affine else None
-        self._mean = np.zeros(c, self.ct) if track else None
-        self._var = np.ones(c, self.ct) if track else None
-        self.num_batches_tracked = 0
+        self.stats = RunningStats(c, track, self.ct, dtype, momentum)
         self.training = True
 
     @property
     def running_mean(self):
-        return None if self._mean is None else self._mean.astype(self.dtype)
+        return self.stats.reported()[0]
 
     @property
     def running_var(self):
-        return None if self._var is None else self._var.astype(self.dtype)
+        return self.stats.reported()[1]
 
     def _shape(self, x):
         return (0,) + tuple(range(2, x.ndim)), (1, x.shape[1]) + (1,) * (x.ndim - 2)
 
     def update_running(self, mu, sum_sq, m):
-        """run <- (1 - a) run + a stat; the variance estimate is unbiased (F4)."""
-        self.num_batches_tracked += 1
-        a = 1.0 / self.num_batches_tracked if self.momentum is None else self.momentum
-        self._mean = ((1 - a) * self._mean + a * mu).astype(self.ct)
-        self._var = ((1 - a) * self._var + a * sum_sq / (m - 1)).astype(self.ct)
+        self.stats.update(mu, sum_sq, m)
 
     def uses_batch_stats(self):
-        return self.training or self._mean is None
+        return self.training or not self.stats.tracked
 
     def forward(self, x, grad_output=None):
         ct, b = self.ct, self.backend
@@ -152,10 +147,10 @@ class NumpyBatchNorm(BatchNormLayer):
                                  f"got input size {x.shape}")
             mu = b.mean(xc, axes)
             var = b.variance(xc, axes, mu)
-            if self.training and self._mean is not None:
+            if self.training and self.stats.tracked:
                 self.update_running(mu.reshape(-1), var.reshape(-1) * m, m)
         else:
-            mu, var = self._mean.reshape(bshape), self._var.reshape(bshape)
+            mu, var = self.stats.mean.reshape(bshape), self.stats.var.reshape(bshape)
         r = b.inv_std(var, ct.type(self.eps))
         x_hat = (xc - mu) * r
         w = None if self.weight is None else self.weight.astype(ct).reshape(bshape)

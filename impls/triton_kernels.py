@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from ._running import RunningStats
 from ._torch_arrays import to_numpy, to_torch
 from .protocol import (
     Backend,
@@ -283,7 +284,7 @@ class TritonBackend(Backend):
 
 class TritonBatchNorm(BatchNormLayer):
     """Training forward in one Triton kernel per channel; the running-statistics update
-    (unbiased, momentum weighting the new batch) is a few elementwise torch ops."""
+    (unbiased, momentum weighting the new batch) is RunningStats' few elementwise ops."""
 
     def __init__(self, b, c, eps, momentum, affine, track, dtype, weight, bias):
         self.b, self.eps, self.momentum, self.dtype, self.c = b, eps, momentum, dtype, c
@@ -293,18 +294,17 @@ class TritonBatchNorm(BatchNormLayer):
             torch.ones(c, dtype=self.acc, device=b.device)
         self.bias = b._t(np.asarray(bias)) if affine and bias is not None else \
             torch.zeros(c, dtype=self.acc, device=b.device)
-        self._mean = torch.zeros(c, dtype=self.acc, device=b.device) if track else None
-        self._var = torch.ones(c, dtype=self.acc, device=b.device) if track else None
-        self.t = 0
+        self.stats = RunningStats(c, track, np.float64 if dtype == np.float64 else np.float32,
+                                  dtype, momentum)
         self.training = True
 
     @property
     def running_mean(self):
-        return None if self._mean is None else to_numpy(self._mean).astype(self.dtype)
+        return self.stats.reported()[0]
 
     @property
     def running_var(self):
-        return None if self._var is None else to_numpy(self._var).astype(self.dtype)
+        return self.stats.reported()[1]
 
     def forward(self, x, grad_output=None):
         if grad_output is not None:
@@ -314,21 +314,21 @@ class TritonBatchNorm(BatchNormLayer):
         x3 = b._t(np.ascontiguousarray(x).reshape(n, c, -1))
         length = x3.shape[2]
         m = n * length
-        batch = self.training or self._mean is None
+        batch = self.training or not self.stats.tracked
         if batch and m <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input "
                              f"of shape {x.shape}")
-        mean = torch.empty(c, dtype=self.acc, device=b.device) if batch else self._mean
-        var = torch.empty(c, dtype=self.acc, device=b.device) if batch else self._var
+        if batch:
+            mean = torch.empty(c, dtype=self.acc, device=b.device)
+            var = torch.empty(c, dtype=self.acc, device=b.device)
+        else:
+            mean, var = b._t(self.stats.mean), b._t(self.stats.var)
         y = torch.empty_like(x3)
         b.k["bn_fwd"][(c,)](x3, self.w, self.bias, y, mean, var, n, c, length, float(self.eps),
                             USE_BATCH=batch, BLOCK=_block(min(m, MAX_BLOCK)),
                             ACC64=self.acc == torch.float64)
-        if self.training and self._mean is not None:
-            self.t += 1
-            a = 1.0 / self.t if self.momentum is None else self.momentum
-            self._mean = (1 - a) * self._mean + a * mean
-            self._var = (1 - a) * self._var + a * var * m / (m - 1)
+        if self.training and self.stats.tracked:
+            self.stats.update(to_numpy(mean), to_numpy(var) * m, m)
         return Result(to_numpy(y).reshape(x.shape))
 
 

@@ -238,12 +238,8 @@ class _BiasedVarLayer(NumpyBatchNorm):
 
 class _FlippedMomentumLayer(NumpyBatchNorm):
     def update_running(self, mu, sum_sq, m):
-        keep = self.momentum
-        self.momentum = 1.0 - keep
-        try:
-            super().update_running(mu, sum_sq, m)
-        finally:
-            self.momentum = keep
+        self.stats.momentum = 1.0 - self.momentum  # weights the old value instead
+        super().update_running(mu, sum_sq, m)
 
 
 class _EvalBatchStatsLayer(NumpyBatchNorm):
@@ -308,25 +304,21 @@ class _LazyUpdateLayer(NumpyBatchNorm):
 
 class _CumulativeIgnoredLayer(NumpyBatchNorm):
     def update_running(self, mu, sum_sq, m):
-        keep = self.momentum
-        self.momentum = 0.1 if keep is None else keep
-        try:
-            super().update_running(mu, sum_sq, m)
-        finally:
-            self.momentum = keep
+        self.stats.momentum = 0.1 if self.momentum is None else self.momentum
+        super().update_running(mu, sum_sq, m)
 
 
 class _UntrackedEvalUsesInitLayer(NumpyBatchNorm):
     """track_running_stats=False, but eval normalizes with the initial 0 / 1."""
 
     def forward(self, x, grad_output=None):
-        if not self.training and self._mean is None:
+        if not self.training and not self.stats.tracked:
             c = x.shape[1]
-            self._mean, self._var = np.zeros(c, self.ct), np.ones(c, self.ct)
+            self.stats.mean, self.stats.var = np.zeros(c, self.ct), np.ones(c, self.ct)
             try:
                 return super().forward(x, grad_output)
             finally:
-                self._mean = self._var = None
+                self.stats.mean = self.stats.var = None
         return super().forward(x, grad_output)
 
 

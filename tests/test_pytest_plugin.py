@@ -1,0 +1,40 @@
+"""The pytest plugin: `pytest --normspec-backend module:factory` runs the checks inside
+a user's own suite, failing with the spec's message and repro."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def run_pytest(tmp_path, *args):
+    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs",
+                           "--normspec-dtype", "float32", "--normspec-examples", "3", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_conforming_backend_passes(tmp_path):
+    proc = run_pytest(tmp_path, "--normspec-backend", "numpy", "--normspec-check", "F2",
+                      "--normspec-check", "F6.values")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "4 passed" in proc.stdout
+
+
+def test_a_broken_backend_fails_with_message_and_repro(tmp_path):
+    proc = run_pytest(tmp_path, "--normspec-backend", "broken_backends:NaiveVariance",
+                      "--normspec-check", "B1.layer_norm_shift")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "NaiveVariance::B1.layer_norm_shift[float32]" in proc.stdout
+    assert "but the spec says" in proc.stdout and "--- repro ---" in proc.stdout
+
+
+def test_unsupported_is_a_visible_skip(tmp_path):
+    proc = run_pytest(tmp_path, "--normspec-backend", "numpy", "--normspec-check",
+                      "B6.no_grad_still_updates")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "SKIPPED" in proc.stdout and "no_grad_mode = False" in proc.stdout
