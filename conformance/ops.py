@@ -45,7 +45,7 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
     res = ctx.call(code, ctx.backend.layer_norm, xa, shape, w, b, eps, g,
                    outputs_like=_like(xa, ["grad_input"] if g is not None else [], shape,
                                       b is not None, w is not None),
-                   refusable=eps == 0 and not _eps_zero(ctx, "layer_norm"))
+                   refusable=eps == 0 and not eps_zero_accepted(ctx, "layer_norm"))
     ctx.calls.append(f"expected = spec.layer_norm(x, {_fmt_shape(shape)}, weight, bias, {eps!r})")
     x64, w64, b64 = _f64(xa), _f64(w), _f64(b)
     axes = tuple(range(x64.ndim - len(shape), x64.ndim))
@@ -94,7 +94,8 @@ def _param_grads(ctx, m, code, op, g64, x_hat, axes, gw, gb, res, kappa):
                                  what=f"{op} grad_bias", call=code, repro=ctx.repro()))
 
 
-def _eps_zero(ctx, op) -> bool:
+def eps_zero_accepted(ctx, op) -> bool:
+    """Whether the backend's conventions say it accepts eps = 0 for `op` (default yes)."""
     conv = getattr(ctx.conventions, "eps_zero", {}) or {}
     return bool(conv.get(op, True))
 
@@ -110,7 +111,7 @@ def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None,
     res = ctx.call(code, ctx.backend.rms_norm, xa, shape, w, eps, g,
                    outputs_like=_like(xa, ["grad_input"] if g is not None else [], shape,
                                       False, w is not None),
-                   refusable=eps == 0 and not _eps_zero(ctx, "rms_norm"))
+                   refusable=eps == 0 and not eps_zero_accepted(ctx, "rms_norm"))
     ctx.calls.append(f"expected = spec.rms_norm(x, {_fmt_shape(shape)}, weight, {eps!r})")
     x64, w64 = _f64(xa), _f64(w)
     axes = tuple(range(x64.ndim - len(shape), x64.ndim))
@@ -146,7 +147,7 @@ def qk_scores_case(ctx, *, q, k, q_weight=None, k_weight=None, eps=1e-6, scale=N
     out_shape = qa.shape[:-1] + (ka.shape[-2],)
     got = ctx.call(code, ctx.backend.qk_norm_scores, qa, ka, qw, kw, eps, s,
                    outputs_like={"output": (out_shape, qa.dtype)},
-                   refusable=eps == 0 and not _eps_zero(ctx, "qk_norm_scores"))
+                   refusable=eps == 0 and not eps_zero_accepted(ctx, "qk_norm_scores"))
     ctx.calls.append(f"expected = spec.qk_norm_scores(q, k, q_weight, k_weight, {eps!r}, {s!r})")
     q64, k64 = _f64(qa), _f64(ka)
     expected = spec.qk_norm_scores(q64, k64, _f64(qw), _f64(kw), eps, s)
@@ -227,7 +228,7 @@ class BatchNormDriver:
         g = ctx.use(**{f"{name}_grad": grad}) if grad is not None else None
         x64 = _f64(xa)
         training = mode == "train" or (mode == "no_grad" and self.training_flag)
-        refusable = self.eps == 0 and not _eps_zero(ctx, "batch_norm") and training
+        refusable = self.eps == 0 and not eps_zero_accepted(ctx, "batch_norm") and training
         if mode == "no_grad":
             code = f"out = layer.forward_no_grad({name})"
             res = ctx.call(code, self.layer.forward_no_grad, xa,

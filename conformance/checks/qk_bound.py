@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 from .. import strategies as ns
 from ..assertions import assert_conforms, assert_holds
 from ..cases import ArraySpec, Literal
-from ..ops import _eps_zero, qk_scores_case
+from ..ops import eps_zero_accepted, qk_scores_case
 from ..tolerances import bound
 from . import check
 
 
 def _eps(ctx):
     """eps = 0 makes the bound exact; a backend that refuses it is recorded as refusing."""
-    return 0.0 if _eps_zero(ctx, "qk_norm_scores") else 1e-12
+    return 0.0 if eps_zero_accepted(ctx, "qk_norm_scores") else 1e-12
 
 
 def _largest_magnitude(ctx) -> float:
