@@ -108,24 +108,43 @@ class FlaxBackend(Backend):
         axes = tuple(range(-len(normalized_shape), 0))
         return dict(reduction_axes=axes, feature_axes=axes), math.prod(normalized_shape)
 
+    def _norm_module(self, op, dtype, shape, weight, bias, eps):
+        """The Flax module for `op` over the trailing `shape` axes, gains set; and the
+        names of its parameters whose gradients the protocol returns."""
+        kw, n = self._axes_kwargs(shape)
+        if op == "layer_norm":
+            m = self.nnx.LayerNorm(n, epsilon=eps, use_scale=weight is not None,
+                                   use_bias=bias is not None, param_dtype=dtype,
+                                   rngs=self._rngs(), **kw)
+        else:
+            m = self.nnx.RMSNorm(n, epsilon=eps, use_scale=weight is not None,
+                                 param_dtype=dtype, rngs=self._rngs(), **kw)
+        if weight is not None:
+            self._set(m.scale, weight, (n,))
+        if bias is not None:
+            self._set(m.bias, bias, (n,))
+        return m, ["scale" if weight is not None else None, "bias" if bias is not None else None]
+
     def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
         shape = tuple(normalized_shape)
-        kw, n = self._axes_kwargs(shape)
-        m = self.nnx.LayerNorm(n, epsilon=eps, use_scale=weight is not None,
-                               use_bias=bias is not None, param_dtype=x.dtype,
-                               rngs=self._rngs(), **kw)
-        self._set(m.scale, weight, (n,)) if weight is not None else None
-        self._set(m.bias, bias, (n,)) if bias is not None else None
-        names = ["scale" if weight is not None else None, "bias" if bias is not None else None]
+        m, names = self._norm_module("layer_norm", x.dtype, shape, weight, bias, eps)
         return self._apply(m, x, grad_output, names, shape)
 
     def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
         shape = tuple(normalized_shape)
-        kw, n = self._axes_kwargs(shape)
-        m = self.nnx.RMSNorm(n, epsilon=eps, use_scale=weight is not None, param_dtype=x.dtype,
-                             rngs=self._rngs(), **kw)
-        self._set(m.scale, weight, (n,)) if weight is not None else None
-        return self._apply(m, x, grad_output, ["scale" if weight is not None else None], shape)
+        m, names = self._norm_module("rms_norm", x.dtype, shape, weight, None, eps)
+        return self._apply(m, x, grad_output, names[:1], shape)
+
+    def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, backward):
+        """The jitted op on device arrays made once, for `normspec bench`; it waits for
+        the result (block_until_ready), so the time is the work, not its dispatch."""
+        jax, jnp, nnx = self.jax, self.jnp, self.nnx
+        m, _ = self._norm_module(op, x.dtype, tuple(normalized_shape), weight, bias, eps)
+        graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+        fn = self._compiled(graphdef, rest, backward)
+        x_j = jnp.asarray(x)
+        args = (x_j, params, jnp.ones_like(x_j)) if backward else (x_j, params)
+        return lambda: jax.block_until_ready(fn(*args))
 
     def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
         jax, jnp, nnx, d = self.jax, self.jnp, self.nnx, q.shape[-1]
