@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .protocol import BatchNormLayer
+
 
 class RunningStats:
     """running_mean / running_var kept in `store` precision and reported in `dtype`;
@@ -33,3 +35,17 @@ class RunningStats:
         if not self.tracked:
             return None, None
         return self.mean.astype(self.dtype), self.var.astype(self.dtype)
+
+
+class RunningStatsLayer(BatchNormLayer):
+    """A BatchNorm layer whose running statistics live in `self.stats` (RunningStats)."""
+
+    stats: RunningStats
+
+    @property
+    def running_mean(self):
+        return self.stats.reported()[0]
+
+    @property
+    def running_var(self):
+        return self.stats.reported()[1]

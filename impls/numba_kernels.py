@@ -15,11 +15,10 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ._running import RunningStats
+from ._running import RunningStats, RunningStatsLayer
 from .protocol import (
     Backend,
     BackendUnavailable,
-    BatchNormLayer,
     Capabilities,
     Conventions,
     Result,
@@ -331,7 +330,7 @@ class NumbaBackend(Backend):
                               np.dtype(dtype), weight, bias)
 
 
-class NumbaBatchNorm(BatchNormLayer):
+class NumbaBatchNorm(RunningStatsLayer):
     def __init__(self, k, c, eps, momentum, affine, track, dtype, weight, bias):
         self.k, self.eps, self.momentum, self.dtype = k, eps, momentum, dtype
         self.ct = _ct(dtype)
@@ -340,14 +339,6 @@ class NumbaBatchNorm(BatchNormLayer):
         self.b = _param(bias if affine else None, c, np.float64, 0.0)
         self.stats = RunningStats(c, track, self.ct, dtype, momentum)
         self.training = True
-
-    @property
-    def running_mean(self):
-        return self.stats.reported()[0]
-
-    @property
-    def running_var(self):
-        return self.stats.reported()[1]
 
     def forward(self, x, grad_output=None):
         n, c = x.shape[:2]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ._running import RunningStats
-from .protocol import Backend, BatchNormLayer, Capabilities, Conventions, Result
+from ._running import RunningStats, RunningStatsLayer
+from .protocol import Backend, Capabilities, Conventions, Result
 
 HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
@@ -110,7 +110,7 @@ class NumpyBackend(Backend):
                               np.dtype(dtype), weight, bias)
 
 
-class NumpyBatchNorm(BatchNormLayer):
+class NumpyBatchNorm(RunningStatsLayer):
     def __init__(self, backend, c, eps, momentum, affine, track, dtype, weight, bias):
         self.backend, self.eps, self.momentum, self.dtype = backend, eps, momentum, dtype
         self.ct = compute_dtype(dtype)
@@ -118,14 +118,6 @@ class NumpyBatchNorm(BatchNormLayer):
         self.bias = (np.zeros(c, dtype) if bias is None else np.asarray(bias, dtype)) if affine else None
         self.stats = RunningStats(c, track, self.ct, dtype, momentum)
         self.training = True
-
-    @property
-    def running_mean(self):
-        return self.stats.reported()[0]
-
-    @property
-    def running_var(self):
-        return self.stats.reported()[1]
 
     def _shape(self, x):
         return (0,) + tuple(range(2, x.ndim)), (1, x.shape[1]) + (1,) * (x.ndim - 2)

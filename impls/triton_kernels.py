@@ -14,12 +14,11 @@ import os
 
 import numpy as np
 
-from ._running import RunningStats
+from ._running import RunningStats, RunningStatsLayer
 from ._torch_arrays import to_numpy, to_torch
 from .protocol import (
     Backend,
     BackendUnavailable,
-    BatchNormLayer,
     Capabilities,
     Conventions,
     Result,
@@ -282,7 +281,7 @@ class TritonBackend(Backend):
                                np.dtype(dtype), weight, bias)
 
 
-class TritonBatchNorm(BatchNormLayer):
+class TritonBatchNorm(RunningStatsLayer):
     """Training forward in one Triton kernel per channel; the running-statistics update
     (unbiased, momentum weighting the new batch) is RunningStats' few elementwise ops."""
 
@@ -297,14 +296,6 @@ class TritonBatchNorm(BatchNormLayer):
         self.stats = RunningStats(c, track, np.float64 if dtype == np.float64 else np.float32,
                                   dtype, momentum)
         self.training = True
-
-    @property
-    def running_mean(self):
-        return self.stats.reported()[0]
-
-    @property
-    def running_var(self):
-        return self.stats.reported()[1]
 
     def forward(self, x, grad_output=None):
         if grad_output is not None:
