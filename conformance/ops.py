@@ -33,12 +33,10 @@ def _fmt_shape(shape):
     return repr(tuple(shape))
 
 
-def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-5, grad=None,
-                    call_x=None) -> Measure:
-    """F2 forward (and VJP when `grad` is given) of the backend against the oracle.
-    `call_x`, if given, is the array actually passed (e.g. a non-contiguous view)."""
+def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-5,
+                    grad=None) -> Measure:
+    """F2 forward (and VJP when `grad` is given) of the backend against the oracle."""
     xa, w, b, g = ctx.use(x=x, weight=weight, bias=bias, grad=grad)
-    xa = xa if call_x is None else call_x
     shape = tuple(normalized_shape)
     code = f"result = backend.layer_norm(x, {_fmt_shape(shape)}, weight, bias, {eps!r}" + \
            (", grad_output=grad)" if grad is not None else ")")
@@ -100,11 +98,9 @@ def eps_zero_accepted(ctx, op) -> bool:
     return bool(conv.get(op, True))
 
 
-def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None,
-                  call_x=None) -> Measure:
+def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None) -> Measure:
     """F3 forward (and VJP when `grad` is given) of the backend against the oracle."""
     xa, w, g = ctx.use(x=x, weight=weight, grad=grad)
-    xa = xa if call_x is None else call_x
     shape = tuple(normalized_shape)
     code = f"result = backend.rms_norm(x, {_fmt_shape(shape)}, weight, {eps!r}" + \
            (", grad_output=grad)" if grad is not None else ")")
