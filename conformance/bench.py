@@ -10,8 +10,9 @@ Bytes counted: forward reads x and writes y (2 N D s); forward+backward also rea
 g and writes dx (5 N D s in all); the parameter vectors are negligible.
 
 A backend can offer `prepare_benchmark(op, x, normalized_shape, weight, bias, eps,
-backward)` returning a zero-argument callable on arrays already in its own format, so
-conversions to and from NumPy are not timed; without it the protocol call is timed, and
+grad_output)` (grad_output None for a forward) returning a zero-argument callable on
+arrays already in its own format, so conversions to and from NumPy are not timed;
+without it the protocol call is timed, and
 the record says so. What each callable includes is the adapter's to say in its
 docstring: torch's functional ops allocate their output at every call (there is no `out=`
 for layer_norm), which is what a torch user pays; the numba kernels write into buffers
@@ -62,8 +63,7 @@ def copy_seconds(nbytes: int, repeat: int) -> float:
     return _time(lambda: dst.copy_(src), repeat)
 
 
-def _protocol_callable(backend, op, x, shape, w, b, eps, backward):
-    g = np.ones_like(x) if backward else None
+def _protocol_callable(backend, op, x, shape, w, b, eps, g):
     if op == "layer_norm":
         return lambda: backend.layer_norm(x, shape, w, b, eps, g)
     return lambda: backend.rms_norm(x, shape, w, eps, g)
@@ -88,13 +88,16 @@ def bench_one(loaded, op, dtype, shape, pass_, repeat, copy_cache) -> dict:
     d = shape[-1]
     w, b = np.ones(d, dt), (np.zeros(d, dt) if op == "layer_norm" else None)
     backward = pass_ != "forward"
+    # a random upstream gradient: with g = 1, dx is 0 up to rounding, and converting a
+    # row of tiny numbers to float16 (subnormals) would time NumPy's slow path instead
+    g = rng.normal(0.0, 1.0, size=shape).astype(dt) if backward else None
     prepare = getattr(backend, "prepare_benchmark", None)
     try:
         if prepare is not None:
-            fn = prepare(op, x, (d,), w, b, 1e-5, backward)
+            fn = prepare(op, x, (d,), w, b, 1e-5, g)
             rec["timed"] = "native call (prepare_benchmark)"
         else:
-            fn = _protocol_callable(backend, op, x, (d,), w, b, 1e-5, backward)
+            fn = _protocol_callable(backend, op, x, (d,), w, b, 1e-5, g)
             rec["timed"] = "protocol call, NumPy conversions included"
         seconds = _time(fn, repeat)
     except Exception as exc:  # noqa: BLE001 - a backend that cannot run is reported

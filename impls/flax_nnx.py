@@ -135,15 +135,15 @@ class FlaxBackend(Backend):
         m, names = self._norm_module("rms_norm", x.dtype, shape, weight, None, eps)
         return self._apply(m, x, grad_output, names[:1], shape)
 
-    def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, backward):
+    def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, grad_output=None):
         """The jitted op on device arrays made once, for `normspec bench`; it waits for
         the result (block_until_ready), so the time is the work, not its dispatch."""
         jax, jnp, nnx = self.jax, self.jnp, self.nnx
         m, _ = self._norm_module(op, x.dtype, tuple(normalized_shape), weight, bias, eps)
         graphdef, params, rest = nnx.split(m, nnx.Param, ...)
-        fn = self._compiled(graphdef, rest, backward)
+        fn = self._compiled(graphdef, rest, grad_output is not None)
         x_j = jnp.asarray(x)
-        args = (x_j, params, jnp.ones_like(x_j)) if backward else (x_j, params)
+        args = (x_j, params) if grad_output is None else (x_j, params, jnp.asarray(grad_output))
         return lambda: jax.block_until_ready(fn(*args))
 
     def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):

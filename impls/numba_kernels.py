@@ -1,11 +1,15 @@
 """`numba`: CPU kernels compiled by Numba, parallel over rows with `prange`.
 
-One pass reads a row into cache, the statistics are fused (mean, then the centred sum of
-squares over the cached row: a two-pass variance, robust to a large mean) and accumulated
-in float64, the row is written once. float16 and bfloat16 inputs are computed in float32
-and cast back once. Fast-math is restricted to reassociation and contraction, which is
-what lets LLVM vectorize the reductions; 'nnan'/'ninf' are left out on purpose, so NaN and
-inf propagate as IEEE arithmetic says (the F2/F3.nan_inf check).
+Each row is read once from memory: its statistics come from one read (shifted-data sums
+of x - x[0] and (x - x[0])^2, accumulated in float64, which a large mean cannot cancel),
+then the row is normalized from cache and written once; the forward gathers the next
+row's statistics in the loop that writes this one, so reading and writing overlap.
+float16 and bfloat16 are computed in float32 and cast back once: the forward kernel
+decodes and encodes the 16-bit values itself (round to nearest even); the backward
+converts them in NumPy around the float32 kernel. Fast-math is restricted to
+reassociation, contraction and no-signed-zeros, which is what lets LLVM vectorize the
+reductions; 'nnan'/'ninf' are left out on purpose, so NaN and inf propagate as IEEE
+arithmetic says (the F2/F3.nan_inf check).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .protocol import (
 
 FASTMATH = {"reassoc", "contract", "nsz"}
 HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+_FMT = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1}
 
 try:
     import numba
@@ -159,6 +164,80 @@ def _kernels():
                     xh = (np.float64(xr[j]) - mu) * s
                     dxr[j] = s * (np.float64(gr[j]) * w[j] - mh - xh * mhx)
 
+    # ---- float16 / bfloat16 in the kernel: bits in, bits out, float32 in between ----
+    @inline
+    def decode(h, fmt):
+        """uint16 bits (fmt 0: float16, 1: bfloat16) -> float32 bits. float16 finite values
+        come out with the exponent still biased by 15: the caller multiplies by 2^112,
+        which rebiases normals and subnormals alike, exactly."""
+        h = np.uint32(h)
+        if fmt == 1:
+            return h << np.uint32(16)
+        sign = (h & np.uint32(0x8000)) << np.uint32(16)
+        mag = (h & np.uint32(0x7FFF)) << np.uint32(13)
+        if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):  # inf, nan
+            return sign | np.uint32(0x7F800000) | mag
+        return sign | mag
+
+    @inline
+    def encode(v, bits, fmt):
+        """float32 value (and its bits) -> uint16 bits, rounded to nearest, ties to even
+        (checked against NumPy's and ml_dtypes' casts on every float16 and 5M float32)."""
+        sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
+        a = bits & np.uint32(0x7FFFFFFF)
+        if fmt == 1:
+            if a > np.uint32(0x7F800000):
+                return np.uint16(sign | np.uint32(0x7FC0))
+            return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+                             >> np.uint32(16))
+        if a >= np.uint32(0x47800000):  # |v| >= 65536: inf, or nan
+            nan = a > np.uint32(0x7F800000)
+            return np.uint16(sign | (np.uint32(0x7E00) if nan else np.uint32(0x7C00)))
+        if a < np.uint32(0x38800000):  # a float16 subnormal: exact after scaling by 2^24
+            return np.uint16(sign | np.uint32(np.rint(abs(v) * np.float32(16777216.0))))
+        odd = (a >> np.uint32(13)) & np.uint32(1)
+        a = a - np.uint32(0x38000000) + np.uint32(0xFFF) + odd  # rebias 127 -> 15, round
+        return np.uint16(sign | (a >> np.uint32(13)))
+
+    @inline
+    def decode_row(src, dst_bits, dst, fmt):
+        for j in range(src.shape[0]):
+            dst_bits[j] = decode(src[j], fmt)
+        if fmt == 0:
+            for j in range(src.shape[0]):
+                if (src[j] & np.uint16(0x7C00)) != np.uint16(0x7C00):
+                    dst[j] = dst[j] * np.float32(2.0**112)
+
+    @inline
+    def encode_row(src, src_bits, dst, fmt):
+        for j in range(src.shape[0]):
+            dst[j] = encode(src[j], src_bits[j], fmt)
+
+    @jit
+    def half_fwd(x16, w, b, eps, y16, mean_out, rstd_out, n_chunks, fmt, centre):
+        """LayerNorm (centre) or RMSNorm forward on float16/bfloat16 bits: each row is
+        decoded into a float32 scratch row, normalized there (statistics in float64) and
+        encoded once into the output."""
+        rows, d = x16.shape
+        per = (rows + n_chunks - 1) // n_chunks
+        for c in prange(n_chunks):
+            x_bits = np.empty(d, np.uint32)
+            xf = x_bits.view(np.float32)
+            yf = np.empty(d, np.float32)
+            y_bits = yf.view(np.uint32)
+            for r in range(c * per, min(rows, (c + 1) * per)):
+                decode_row(x16[r], x_bits, xf, fmt)
+                if centre:
+                    k, s1, s2 = shifted_sums(xf, d)
+                    mu, rstd = moments(k, s1, s2, d, eps)
+                else:
+                    mu, rstd = 0.0, 1.0 / math.sqrt(sum_squares(xf, d) / d + eps)
+                mean_out[r], rstd_out[r] = mu, rstd
+                m32, s32 = np.float32(mu), np.float32(rstd)
+                for j in range(d):
+                    yf[j] = (xf[j] - m32) * s32 * w[j] + b[j]
+                encode_row(yf, y_bits, y16[r], fmt)
+
     @jit
     def bn_stats(x, mean_out, sumsq_out):
         n, ch, length = x.shape
@@ -210,7 +289,7 @@ def _kernels():
                     xh = (np.float64(x[i, c, l_]) - mean[c]) * s
                     dx[i, c, l_] = s * (np.float64(g[i, c, l_]) * w[c] - sh / m - xh * shx / m)
 
-    _kernels.cache = dict(ln_fwd=ln_fwd, rms_fwd=rms_fwd, norm_bwd=norm_bwd,
+    _kernels.cache = dict(ln_fwd=ln_fwd, rms_fwd=rms_fwd, norm_bwd=norm_bwd, half_fwd=half_fwd,
                           bn_stats=bn_stats, bn_apply=bn_apply, bn_bwd=bn_bwd)
     return _kernels.cache
 
@@ -272,8 +351,22 @@ class NumbaBackend(Backend):
                            n_chunks, op == "layer_norm")
         return dx, dw_part.sum(axis=0), db_part.sum(axis=0)
 
+    def _half_forward(self, op, x16, fmt, w, b, eps, out=None):
+        rows = x16.shape[0]
+        y16, mean, rstd = out if out is not None else (
+            np.empty_like(x16), np.empty(rows), np.empty(rows))
+        self.k["half_fwd"](x16, w, b, float(eps), y16, mean, rstd, _chunks(rows), fmt,
+                           op == "layer_norm")
+        return y16, mean, rstd
+
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):
         ct, d = _ct(x.dtype), int(np.prod(normalized_shape))
+        if x.dtype in HALF and grad_output is None:
+            # the kernel reads and writes the 16-bit values itself: no float32 copies
+            x16 = np.ascontiguousarray(x).reshape(-1, d).view(np.uint16)
+            w, b = _param(weight, d, ct, 1.0), _param(bias, d, ct, 0.0)
+            y16, _, _ = self._half_forward(op, x16, _FMT[x.dtype], w, b, eps)
+            return Result(y16.view(x.dtype).reshape(x.shape))
         xr = _rows(x, d, ct)
         w, b = _param(weight, d, ct, 1.0), _param(bias, d, ct, 0.0)
         y, mean, rstd = self._forward(op, xr, w, b, eps)
@@ -292,16 +385,23 @@ class NumbaBackend(Backend):
     def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
         return self._norm("rms_norm", x, normalized_shape, weight, None, eps, grad_output)
 
-    def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, backward):
+    def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, grad_output=None):
         """The kernels on arrays made once, for `normspec bench`: outputs are allocated once,
         as the memory-copy baseline's are (a fresh 128 MB buffer costs its page faults, which
         measure the allocator, not the kernel). Half inputs go through the protocol call,
-        converted to float32 and back inside the timed call (Numba has no float16 arrays)."""
+        converted to float32 and back inside the timed call for the backward (Numba has no
+        float16 arrays; the forward kernel decodes and encodes the 16-bit values itself)."""
+        backward = grad_output is not None
+        if x.dtype in HALF and not backward:
+            d = int(np.prod(normalized_shape))
+            x16 = np.ascontiguousarray(x).reshape(-1, d).view(np.uint16)
+            w, b = _param(weight, d, np.float32, 1.0), _param(bias, d, np.float32, 0.0)
+            out = (np.empty_like(x16), np.empty(x16.shape[0]), np.empty(x16.shape[0]))
+            return lambda: self._half_forward(op, x16, _FMT[x.dtype], w, b, eps, out)
         if x.dtype in HALF:
             args = (x, normalized_shape, weight, bias, eps) if op == "layer_norm" else \
                 (x, normalized_shape, weight, eps)
-            g = np.ones_like(x) if backward else None
-            return lambda: getattr(self, op)(*args, grad_output=g)
+            return lambda: getattr(self, op)(*args, grad_output=grad_output)
         d = int(np.prod(normalized_shape))
         xr = _rows(x, d, x.dtype)
         rows, n_chunks = xr.shape[0], _chunks(xr.shape[0])
@@ -309,7 +409,7 @@ class NumbaBackend(Backend):
         fwd_out = (np.empty_like(xr), np.zeros(rows), np.empty(rows))
         if not backward:
             return lambda: self._forward(op, xr, w, b, eps, fwd_out)
-        g = np.ones_like(xr)
+        g = _rows(grad_output, d, x.dtype)
         bwd_out = (np.empty_like(xr), np.empty((n_chunks, d)), np.empty((n_chunks, d)))
 
         def forward_backward():

@@ -97,10 +97,11 @@ class TorchBackend(Backend):
             s = q_norm(to_torch(q)) @ k_norm(to_torch(k)).transpose(-1, -2) * scale
         return to_numpy(s)
 
-    def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, backward):
+    def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, grad_output=None):
         """The op on tensors made once, for `normspec bench` (conversions not timed)."""
         torch, fn = self.torch, self.torch.nn.functional
-        x_t, g = to_torch(x), torch.ones(x.shape, dtype=torch_dtype(x.dtype))
+        backward = grad_output is not None
+        x_t, g = to_torch(x), to_torch(grad_output)
         w = to_torch(weight).requires_grad_(backward)
         b = to_torch(bias).requires_grad_(backward) if bias is not None else None
         if op == "layer_norm":

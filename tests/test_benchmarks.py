@@ -24,10 +24,10 @@ def test_native_call(benchmark, name, op, backward):
     x = np.random.default_rng(0).normal(0.5, 2.0, SHAPE).astype(np.float32)
     w, b = np.ones(SHAPE[-1], np.float32), np.zeros(SHAPE[-1], np.float32)
     prepare = getattr(backend, "prepare_benchmark", None)
+    g = np.random.default_rng(1).normal(size=SHAPE).astype(np.float32) if backward else None
     if prepare is not None:
-        fn = prepare(op, x, SHAPE[-1:], w, b if op == "layer_norm" else None, 1e-5, backward)
+        fn = prepare(op, x, SHAPE[-1:], w, b if op == "layer_norm" else None, 1e-5, g)
     else:
-        g = np.ones_like(x) if backward else None
         fn = (lambda: backend.layer_norm(x, SHAPE[-1:], w, b, 1e-5, g)) if op == "layer_norm" \
             else (lambda: backend.rms_norm(x, SHAPE[-1:], w, 1e-5, g))
     benchmark.extra_info.update(bytes_moved=x.nbytes * (5 if backward else 2))
