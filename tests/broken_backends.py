@@ -149,6 +149,24 @@ class NanToZero(NumpyBackend):
         return super().rms_norm(clean, normalized_shape, weight, eps, grad_output)
 
 
+class FlushesSubnormals(NumpyBackend):
+    """Denormals-are-zero and flush-to-zero, as a kernel compiled with DAZ/FTZ behaves."""
+
+    @staticmethod
+    def _ftz(a):
+        tiny = float(np.finfo(np.float16).smallest_normal) if a.dtype == np.float16 else 0.0
+        a64 = a.astype(np.float64)
+        return np.where(np.abs(a64) < tiny, 0.0, a64).astype(a.dtype)
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        res = super().layer_norm(self._ftz(x), normalized_shape, weight, bias, eps, grad_output)
+        return res._replace(output=self._ftz(res.output))
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        res = super().rms_norm(self._ftz(x), normalized_shape, weight, eps, grad_output)
+        return res._replace(output=self._ftz(res.output))
+
+
 class WritesInput(NumpyBackend):
     """Normalizes in place, into the caller's array."""
 

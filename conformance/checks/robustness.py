@@ -62,6 +62,19 @@ def non_contiguous(ctx):
           normalized_shape=(40,), eps=1e-5)
 
 
+@check("F2/F3.subnormals", title="float16 subnormal inputs and outputs are not flushed to "
+       "zero", ops=("layer_norm", "rms_norm"), dtypes=("float16",))
+def subnormals(ctx):
+    """float16 only: its subnormals (below 6.1e-5) square to numbers float32 still holds,
+    so a correct float32-compute kernel gets them right; in bfloat16 and float32 they would
+    underflow in any float32 computation."""
+    tiny = ArraySpec((3, 64), ctx.seed, 0.0, 1e-6)
+    _both(ctx, "x ~ N(0, 1e-6): subnormal inputs, eps 1e-14", x=tiny, normalized_shape=(64,),
+          eps=1e-14)
+    _both(ctx, "x ~ N(0, 1e-6), eps 1: subnormal outputs", x=tiny, normalized_shape=(64,),
+          eps=1.0)
+
+
 @check("F2/F3.nan_inf", title="NaN and inf propagate within their row as IEEE arithmetic says "
        "and leave other rows alone", ops=("layer_norm", "rms_norm"))
 def nan_inf(ctx):
