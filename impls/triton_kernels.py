@@ -46,15 +46,21 @@ def _import():
 
 def _build(triton, tl):
     @triton.jit
-    def ln_fwd(X, W, B, Y, Mean, Rstd, D, eps, BLOCK: tl.constexpr, ACC64: tl.constexpr):
+    def norm_fwd(X, W, B, Y, Mean, Rstd, D, eps, BLOCK: tl.constexpr, ACC64: tl.constexpr,
+                 CENTRE: tl.constexpr):
+        """One program per row. CENTRE (LayerNorm): two-pass mean and centred sum of
+        squares; otherwise (RMSNorm) the mean stays 0, the raw sum of squares is used and B
+        is not read. Mean and 1/std are stored for the backward."""
         row = tl.program_id(0)
         x_row = X + row * D
         acc_t = tl.float64 if ACC64 else tl.float32
-        total = tl.zeros([BLOCK], dtype=acc_t)
-        for off in range(0, D, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            total += tl.load(x_row + cols, mask=cols < D, other=0.0).to(acc_t)
-        mean = tl.sum(total, axis=0) / D
+        mean = 0.0
+        if CENTRE:
+            total = tl.zeros([BLOCK], dtype=acc_t)
+            for off in range(0, D, BLOCK):
+                cols = off + tl.arange(0, BLOCK)
+                total += tl.load(x_row + cols, mask=cols < D, other=0.0).to(acc_t)
+            mean = tl.sum(total, axis=0) / D
         sq = tl.zeros([BLOCK], dtype=acc_t)
         for off in range(0, D, BLOCK):
             cols = off + tl.arange(0, BLOCK)
@@ -69,31 +75,13 @@ def _build(triton, tl):
             mask = cols < D
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(acc_t)
             w = tl.load(W + cols, mask=mask, other=0.0).to(acc_t)
-            b = tl.load(B + cols, mask=mask, other=0.0).to(acc_t)
-            y = (x - mean) * rstd * w + b
+            y = (x - mean) * rstd * w
+            if CENTRE:
+                y += tl.load(B + cols, mask=mask, other=0.0).to(acc_t)
             tl.store(Y + row * D + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rms_fwd(X, W, Y, Rstd, D, eps, BLOCK: tl.constexpr, ACC64: tl.constexpr):
-        row = tl.program_id(0)
-        x_row = X + row * D
-        acc_t = tl.float64 if ACC64 else tl.float32
-        sq = tl.zeros([BLOCK], dtype=acc_t)
-        for off in range(0, D, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            x = tl.load(x_row + cols, mask=cols < D, other=0.0).to(acc_t)
-            sq += x * x
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / D + eps)
-        tl.store(Rstd + row, rstd)
-        for off in range(0, D, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            mask = cols < D
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(acc_t)
-            w = tl.load(W + cols, mask=mask, other=0.0).to(acc_t)
-            tl.store(Y + row * D + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def ln_bwd(X, W, G, Mean, Rstd, DX, GXH, D, BLOCK: tl.constexpr, ACC64: tl.constexpr,
+    def norm_bwd(X, W, G, Mean, Rstd, DX, GXH, D, BLOCK: tl.constexpr, ACC64: tl.constexpr,
                CENTRE: tl.constexpr):
         """dx = r (h - mean(h) - x_hat mean(h x_hat)), h = g gamma; with CENTRE false it is
         RMSNorm's r (h - x_r mean(h x_r)). Writes g * x_hat per element for dL/dgamma."""
@@ -179,7 +167,7 @@ def _build(triton, tl):
             tl.store(Y + ptr_off, ((x - mean) * rstd * w + b).to(Y.dtype.element_ty),
                      mask=idx < m)
 
-    return dict(ln_fwd=ln_fwd, rms_fwd=rms_fwd, ln_bwd=ln_bwd, col_sum=col_sum, bn_fwd=bn_fwd)
+    return dict(norm_fwd=norm_fwd, norm_bwd=norm_bwd, col_sum=col_sum, bn_fwd=bn_fwd)
 
 
 def _block(n):
@@ -245,19 +233,16 @@ class TritonBackend(Backend):
         y = torch.empty_like(xr)
         mean, rstd = self._stats(rows, acc)
         block, a64 = _block(d), self._acc64(x)
-        if centre:
-            b = self._param(bias, d, xr, 0.0)
-            self.k["ln_fwd"][(rows,)](xr, w, b, y, mean, rstd, d, float(eps), BLOCK=block, ACC64=a64)
-        else:
-            mean.zero_()
-            self.k["rms_fwd"][(rows,)](xr, w, y, rstd, d, float(eps), BLOCK=block, ACC64=a64)
+        b = self._param(bias, d, xr, 0.0)
+        self.k["norm_fwd"][(rows,)](xr, w, b, y, mean, rstd, d, float(eps), BLOCK=block,
+                                    ACC64=a64, CENTRE=centre)
         out = to_numpy(y).reshape(x.shape)
         if grad_output is None:
             return Result(out)
         g = self._rows(grad_output, d)
         dx = torch.empty_like(xr)
         gxh = torch.empty((rows, d), dtype=acc, device=self.device)
-        self.k["ln_bwd"][(rows,)](xr, w, g, mean, rstd, dx, gxh, d, BLOCK=block, ACC64=a64,
+        self.k["norm_bwd"][(rows,)](xr, w, g, mean, rstd, dx, gxh, d, BLOCK=block, ACC64=a64,
                                   CENTRE=centre)
         shape = tuple(normalized_shape)
         gw = to_numpy(self._col_sum(gxh, d, acc)).reshape(shape).astype(x.dtype) \
