@@ -64,31 +64,38 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
     gx, gw, gb = spec.layer_norm_vjp(x64, shape, g64, w64, b64, eps)
     r = 1.0 / np.sqrt(x64.var(axis=axes, keepdims=True) + eps)
     h = np.abs(g64 * (w64 if w64 is not None else 1.0))
-    gx_scale = r * (np.max(h, axis=axes, keepdims=True) + h.mean(axis=axes, keepdims=True)
-                    + np.max(np.abs(x_hat), axis=axes, keepdims=True)
-                    * (h * np.abs(x_hat)).mean(axis=axes, keepdims=True))
-    m.absorb(assert_conforms(expected=gx, actual=res.grad_input, dtype=ctx.dtype, scale=gx_scale,
+    m.absorb(assert_conforms(expected=gx, actual=res.grad_input, dtype=ctx.dtype,
+                             scale=_grad_input_scale(r, h, x_hat, axes, centre=True),
                              bound=bound("gradient", ctx.dtype, d, kappa),
                              what="layer_norm grad_input", call=code, repro=ctx.repro()))
-    _param_grads(ctx, m, code, "layer_norm", g64, x_hat, axes, gw, gb, res, kappa)
+    _param_grads(ctx, m, code, "layer_norm", g64, x_hat, tuple(range(axes[0])), gw, gb, res,
+                 kappa)
     return m
 
 
-def _param_grads(ctx, m, code, op, g64, x_hat, axes, gw, gb, res, kappa):
-    """dL/dgamma, dL/dbeta: sums over the rows of terms that each carry the forward's
-    error, so the growth covers both reductions: n = rows * d."""
-    lead = tuple(range(axes[0]))
-    rows = int(np.prod([g64.shape[a] for a in lead])) * int(np.prod([g64.shape[a] for a in axes]))
-    k = np.max(kappa)
+def _grad_input_scale(r, h, x_hat, axes, *, centre):
+    """The magnitude of the terms of dL/dx = r (h - mean(h) - x_hat mean(h x_hat)) over
+    the normalized `axes` (no mean(h) term for RMSNorm), with h = |g gamma|."""
+    terms = np.max(h, axis=axes, keepdims=True) + np.max(np.abs(x_hat), axis=axes, keepdims=True) \
+        * (h * np.abs(x_hat)).mean(axis=axes, keepdims=True)
+    if centre:
+        terms = terms + h.mean(axis=axes, keepdims=True)
+    return r * terms
+
+
+def _param_grads(ctx, m, code, op, g64, x_hat, sum_axes, gw, gb, res, kappa, bias_kappa=1.0):
+    """dL/dgamma, dL/dbeta: sums over `sum_axes` of terms that each carry the forward's
+    error, so the growth covers both reductions: n = every element of g."""
+    n = g64.size
     if gw is not None:
         m.absorb(assert_conforms(expected=gw, actual=res.grad_weight, dtype=ctx.dtype,
-                                 scale=(np.abs(g64) * np.maximum(np.abs(x_hat), 1.0)).sum(axis=lead),
-                                 bound=bound("param_gradient", ctx.dtype, rows, k),
+                                 scale=(np.abs(g64) * np.maximum(np.abs(x_hat), 1.0)).sum(axis=sum_axes),
+                                 bound=bound("param_gradient", ctx.dtype, n, np.max(kappa)),
                                  what=f"{op} grad_weight", call=code, repro=ctx.repro()))
     if gb is not None:
         m.absorb(assert_conforms(expected=gb, actual=res.grad_bias, dtype=ctx.dtype,
-                                 scale=np.abs(g64).sum(axis=lead),
-                                 bound=bound("param_gradient", ctx.dtype, rows),
+                                 scale=np.abs(g64).sum(axis=sum_axes),
+                                 bound=bound("param_gradient", ctx.dtype, n, bias_kappa),
                                  what=f"{op} grad_bias", call=code, repro=ctx.repro()))
 
 
@@ -124,13 +131,11 @@ def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None)
     gx, gw = spec.rms_norm_vjp(x64, shape, g64, w64, eps)
     r = 1.0 / np.sqrt((x64 * x64).mean(axis=axes, keepdims=True) + eps)
     h = np.abs(g64 * (w64 if w64 is not None else 1.0))
-    gx_scale = r * (np.max(h, axis=axes, keepdims=True)
-                    + np.max(np.abs(x_r), axis=axes, keepdims=True)
-                    * (h * np.abs(x_r)).mean(axis=axes, keepdims=True))
-    m.absorb(assert_conforms(expected=gx, actual=res.grad_input, dtype=ctx.dtype, scale=gx_scale,
+    m.absorb(assert_conforms(expected=gx, actual=res.grad_input, dtype=ctx.dtype,
+                             scale=_grad_input_scale(r, h, x_r, axes, centre=False),
                              bound=bound("gradient", ctx.dtype, d),
                              what="rms_norm grad_input", call=code, repro=ctx.repro()))
-    _param_grads(ctx, m, code, "rms_norm", g64, x_r, axes, gw, None, res, 1.0)
+    _param_grads(ctx, m, code, "rms_norm", g64, x_r, tuple(range(axes[0])), gw, None, res, 1.0)
     return m
 
 
@@ -266,22 +271,12 @@ class BatchNormDriver:
             r = 1.0 / np.sqrt(var.reshape(bshape) + self.eps)
             x_hat = (x64 - mean.reshape(bshape)) * r
             h = np.abs(g64 * (w64.reshape(bshape) if w64 is not None else 1.0))
-            gx_scale = r * (np.max(h, axis=axes, keepdims=True) + h.mean(axis=axes, keepdims=True)
-                            + np.max(np.abs(x_hat), axis=axes, keepdims=True)
-                            * (h * np.abs(x_hat)).mean(axis=axes, keepdims=True))
             m.absorb(assert_conforms(expected=gx, actual=res.grad_input, dtype=ctx.dtype,
-                                     scale=gx_scale, bound=bound("gradient", ctx.dtype, n, kappa),
+                                     scale=_grad_input_scale(r, h, x_hat, axes, centre=True),
+                                     bound=bound("gradient", ctx.dtype, n, kappa),
                                      what="batch_norm grad_input", call=code, repro=ctx.repro()))
-            gw_scale = (np.abs(g64) * np.maximum(np.abs(x_hat), 1.0)).sum(axis=axes)
-            for pname, ref, sc in (("grad_weight", gw, gw_scale),
-                                   ("grad_bias", gb, np.abs(g64).sum(axis=axes))):
-                if ref is not None:
-                    m.absorb(assert_conforms(expected=ref, actual=getattr(res, pname),
-                                             dtype=ctx.dtype, scale=sc,
-                                             bound=bound("param_gradient", ctx.dtype,
-                                                         x64.size, np.max(kappa)),
-                                             what=f"batch_norm {pname}", call=code,
-                                             repro=ctx.repro()))
+            _param_grads(ctx, m, code, "batch_norm", g64, x_hat, axes, gw, gb, res, kappa,
+                         bias_kappa=np.max(kappa))
         if training and self.track:
             self.steps += 1
             m.absorb(self._compare_stats(rm, rv, x64, n, code))

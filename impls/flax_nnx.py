@@ -69,6 +69,7 @@ class FlaxBackend(Backend):
         return self.nnx.Rngs(0)
 
     def _set(self, param, value, shape):
+        """Set a Flax parameter from a NumPy array; None (an absent parameter) sets nothing."""
         if value is not None:
             param.set_value(self.jnp.asarray(np.asarray(value).reshape(shape)))
 
@@ -119,9 +120,8 @@ class FlaxBackend(Backend):
         else:
             m = self.nnx.RMSNorm(n, epsilon=eps, use_scale=weight is not None,
                                  param_dtype=dtype, rngs=self._rngs(), **kw)
-        if weight is not None:
-            self._set(m.scale, weight, (n,))
-        if bias is not None:
+        self._set(m.scale, weight, (n,))
+        if bias is not None:  # RMSNorm has no bias attribute at all
             self._set(m.bias, bias, (n,))
         return m, ["scale" if weight is not None else None, "bias" if bias is not None else None]
 
@@ -152,7 +152,7 @@ class FlaxBackend(Backend):
         for w in (q_weight, k_weight):
             m = nnx.RMSNorm(d, epsilon=eps, use_scale=w is not None, param_dtype=q.dtype,
                             rngs=self._rngs())
-            self._set(m.scale, w, (d,)) if w is not None else None
+            self._set(m.scale, w, (d,))
             norms.append(nnx.split(m, nnx.Param, ...))
         key = ("qk", norms[0][0], norms[1][0], float(scale))
         fn = self._cache.get(key)
@@ -181,8 +181,8 @@ class FlaxBackend(Backend):
                                param_dtype=np.dtype(dtype),
                                rngs=self._rngs())
         if affine:
-            self._set(m.scale, weight, (num_features,)) if weight is not None else None
-            self._set(m.bias, bias, (num_features,)) if bias is not None else None
+            self._set(m.scale, weight, (num_features,))
+            self._set(m.bias, bias, (num_features,))
         return FlaxBatchNorm(self, m, track_running_stats)
 
 
