@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import platform
+import re
+import signal
 import sys
+import tempfile
+import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
 from normspec.impls import registry
 
 from . import results, runner
 
-DEFAULT_JSON = "results/results.json"
-DEFAULT_HTML = "reports/conformance.html"
+#: Where runs go unless told otherwise: each run its own file, named by time and label;
+#: results/latest names the newest.
+RESULTS_DIR = Path("results")
+REPORTS_DIR = Path("reports")
+LATEST = "latest"
 
 
 def _print_table(rows: list[list[str]], out=None) -> None:
@@ -67,31 +74,176 @@ def cmd_checks(args) -> int:
 
 
 # ------------------------------------------------------------------ run
-def _run_one(kwargs: dict) -> dict:
-    """One backend in a worker process (spawned: no framework state is inherited)."""
-    progress = print if kwargs.pop("verbose") else None
-    return runner.run(progress=lambda m: progress(m, flush=True) if progress else None, **kwargs)
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return v
 
 
-def run_all(args) -> dict:
-    names = args.backend or None
-    common = dict(checks=args.check or None, dtypes=args.dtype or None, seed=args.seed,
-                  examples=args.examples, timeout=args.timeout, label=args.label,
-                  shrink=args.shrink, verbose=not args.quiet)
-    if args.jobs <= 1:
-        return _run_one(dict(common, backends=names))
-    wanted = names if names is not None else list(registry.discover())
-    doc = results.new_document()
-    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
-        parts = list(pool.map(_run_one, [dict(common, backends=[n]) for n in wanted]))
-    for key in ("backends", "records"):
-        for part in parts:
-            doc[key].extend(part[key])
-    doc["runs"] = parts[0]["runs"][:1] if parts else []
-    doc["tolerances"] = parts[0]["tolerances"] if parts else []
-    if names is None:  # unavailable backends found by discovery are listed, not failed
-        doc["records"] = [r for r in doc["records"] if r["check"] != "load"]
-    return doc
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} must be from 0 to 2**63 - 1")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0")
+    return v
+
+
+def _label(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the label is empty")
+    return text
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "run"
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why `path` cannot be written, found before any work by creating (and at once
+    removing) a scratch file where it would go; None if it can."""
+    if path.is_dir():
+        return f"{path} is a folder"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        return f"{parent} is not a writable folder ({exc.strerror})"
+    return None
+
+
+def _new_stem(label: str) -> str:
+    """A results name of its own for this run: UTC time and label, never an old one's."""
+    stem = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{_safe(label)}"
+    candidate, n = stem, 1
+    while any((RESULTS_DIR / f"{candidate}{ext}").exists() for ext in (".json", ".jsonl")):
+        n += 1
+        candidate = f"{stem}-{n}"
+    return candidate
+
+
+def _stream_path(json_path: Path) -> Path:
+    return json_path.with_suffix(".jsonl") if json_path.suffix == ".json" \
+        else json_path.with_name(json_path.name + ".jsonl")
+
+
+class _Signals:
+    """SIGINT and SIGTERM stop the run once (raising runner.Stopped in the main thread);
+    later ones are ignored while the partial results are written."""
+
+    def __init__(self):
+        self.fired = False
+        self.saved = {}
+
+    def _handler(self, signum, frame):
+        if self.fired:
+            return
+        self.fired = True
+        raise runner.Stopped(signal.Signals(signum).name)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.saved[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.saved.items():
+            signal.signal(s, h)
+
+
+def _refuse(message: str) -> int:
+    print(f"normspec run: error: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_run(args) -> int:
+    label = args.label or os.environ.get("TOX_ENV_NAME") or platform.node() or "local"
+    try:
+        runner.select_checks(args.check or None)
+    except ValueError as exc:
+        return _refuse(str(exc))
+    known = registry.discover()
+    for name in args.backend or ():
+        if ":" not in name and name not in known:
+            return _refuse(f"unknown backend {name!r}; known: {', '.join(sorted(known))} "
+                           f"(or give module:factory)")
+    stem = None if args.json else _new_stem(label)
+    json_path = Path(args.json) if args.json else RESULTS_DIR / f"{stem}.json"
+    html_path = None if args.no_html else (
+        Path(args.html) if args.html else REPORTS_DIR / f"{stem or _safe(json_path.stem)}.html")
+    for path in (json_path, html_path):
+        why = path is not None and _unwritable(path)
+        if why:
+            return _refuse(f"cannot write {path}: {why}")
+    if _stream_path(json_path).exists():
+        return _refuse(f"{_stream_path(json_path)} exists (the stream of a run that did not "
+                       "finish?); report it, move it away, or give another --json")
+    stream: list[results.Stream] = []
+
+    def on_start(doc, units):
+        stream.append(results.Stream(_stream_path(json_path), run=doc["runs"][0],
+                                     tolerances=doc["tolerances"], plan=units))
+        for entry in doc["backends"]:
+            stream[0].backend(entry)
+        if stem:
+            (RESULTS_DIR / LATEST).write_text(stem + "\n", encoding="utf-8")
+
+    verbose = not args.quiet
+    with _Signals():
+        try:
+            doc = runner.run(args.backend or None, checks=args.check or None,
+                             dtypes=args.dtype or None, seed=args.seed, examples=args.examples,
+                             timeout=args.timeout, label=label, shrink=args.shrink, jobs=args.jobs,
+                             record_unavailable=args.record_unavailable,
+                             progress=(lambda m: print(m, flush=True)) if verbose else None,
+                             on_start=on_start, on_record=lambda r: stream[0].record(r),
+                             on_done=lambda u: stream[0].done(u))
+        except runner.Stopped as exc:  # stopped while the backends were loading: no work done
+            print(f"normspec run: stopped by {exc.signal_name} before any check ran; "
+                  "nothing was written", file=sys.stderr)
+            return 128 + signal.Signals[exc.signal_name].value
+        except runner.BackendNotUsable as exc:
+            return _refuse(str(exc))
+        info = doc["runs"][0]
+        stream[0].end(complete=info["complete"], stopped_by=info["stopped_by"],
+                      duration_s=info["duration_s"])
+        stream[0].close()
+        results.write(doc, json_path)
+        _stream_path(json_path).unlink()
+        if html_path is not None:
+            from normspec.reports import html
+
+            html.write_report([doc], html_path)
+    if info["stopped_by"]:
+        done = info["planned"] - len(info["not_reached"])
+        print(f"normspec run: stopped by {info['stopped_by']} after {done} of {info['planned']} "
+              f"checks; partial results: {json_path}"
+              + (f" (report: {html_path})" if html_path else ""), file=sys.stderr)
+        return 128 + signal.Signals[info["stopped_by"]].value
+    failing = print_summary(doc)
+    print(f"\nresults: {json_path}  ({len(doc['records'])} records, {info['duration_s']} s)")
+    if html_path is not None:
+        print(f"report:  {html_path}")
+    return 1 if failing else 0
 
 
 def print_summary(doc: dict, out=None) -> int:
@@ -109,7 +261,7 @@ def print_summary(doc: dict, out=None) -> int:
         verdict = "conforms" if failing == 0 else f"{failing} failing"
         if c.get("deviation"):
             verdict += f", {c['deviation']} documented deviations"
-        rows.append([b["name"], b["version"][:28], *[c.get(s, 0) for s in results.STATUSES], verdict])
+        rows.append([b["name"], b["version"], *[c.get(s, 0) for s in results.STATUSES], verdict])
     print(file=out)
     _print_table(rows, out)
     bad = [r for r in doc["records"] if r["status"] in results.FAILING]
@@ -121,46 +273,57 @@ def print_summary(doc: dict, out=None) -> int:
     return len(bad)
 
 
-def cmd_run(args) -> int:
-    start = time.perf_counter()
-    try:
-        doc = run_all(args)
-    except ValueError as exc:  # a bad --check or --dtype: the user's to fix
-        print(f"normspec run: {exc}", file=sys.stderr)
-        return 2
-    doc["runs"][0]["duration_s"] = round(time.perf_counter() - start, 1)
-    json_path = results.write(doc, args.json)
-    failing = print_summary(doc)
-    print(f"\nresults: {json_path}  ({len(doc['records'])} records, "
-          f"{doc['runs'][0]['duration_s']} s)")
-    if not args.no_html:
-        from normspec.reports import html
-
-        html_path = html.write_report([doc], args.html)
-        print(f"report:  {html_path}")
-    return 1 if failing else 0
-
-
 # ------------------------------------------------------------------ report
+def _report_inputs(names: list[str]) -> list[Path]:
+    """The files a `report` call means: files as given, folders as every results file in
+    them (a stream only where its document is missing), nothing as the latest run."""
+    if not names:
+        latest = RESULTS_DIR / LATEST
+        if not latest.is_file():
+            raise results.ResultsError(f"no {latest}: name a results file, or run `normspec run` "
+                                       "first")
+        stem = latest.read_text(encoding="utf-8").strip()
+        doc_path = RESULTS_DIR / f"{stem}.json"
+        return [doc_path if doc_path.exists() else RESULTS_DIR / f"{stem}.jsonl"]
+    files: list[Path] = []
+    for f in map(Path, names):
+        if f.is_dir():
+            docs = sorted(f.glob("*.json"))
+            files += docs + [s for s in sorted(f.glob("*.jsonl"))
+                             if s.with_suffix(".json") not in docs]
+        elif f.exists():
+            files.append(f)
+        else:
+            raise results.ResultsError(f"{f} does not exist")
+    if not files:
+        raise results.ResultsError(f"no results files in {' '.join(names)}")
+    return files
+
+
 def cmd_report(args) -> int:
     from normspec.reports import html
 
-    docs, files = [], []
-    for f in map(Path, args.files):
-        # a folder stands for every results file in it (tox envs write to one folder)
-        files += sorted(f.glob("*.json")) if f.is_dir() else [f]
-    if not files:
-        print(f"normspec report: no results files in {' '.join(args.files)}", file=sys.stderr)
+    try:
+        files = _report_inputs(args.files)
+        docs = [results.read(f) for f in files]
+    except results.ResultsError as exc:
+        print(f"normspec report: error: {exc}", file=sys.stderr)
         return 2
-    for f in files:
-        try:
-            docs.append(results.read(f))
-        except (OSError, ValueError) as exc:
-            print(f"normspec report: cannot read {f}: {exc}", file=sys.stderr)
-            return 2
-    path = html.write_report(docs, args.output)
+    if args.output:
+        out = Path(args.output)
+    elif len(files) == 1:
+        out = REPORTS_DIR / f"{files[0].stem}.html"
+    else:
+        out = REPORTS_DIR / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-merged.html"
+    why = _unwritable(out)
+    if why:
+        print(f"normspec report: error: cannot write {out}: {why}", file=sys.stderr)
+        return 2
+    path = html.write_report(docs, out)
+    incomplete = sum(not r.get("complete", True) for d in docs for r in d["runs"])
     print(f"report: {path} ({len(docs)} result file(s), "
-          f"{sum(len(d['records']) for d in docs)} records)")
+          f"{sum(len(d['records']) for d in docs)} records"
+          + (f", {incomplete} incomplete run(s)" if incomplete else "") + ")")
     return 0
 
 
@@ -171,8 +334,15 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments get one line naming the value, and exit code 2 (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="normspec", description=__doc__)
+    p = _Parser(prog="normspec", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("backends", help="list every backend found, with capabilities")
@@ -187,27 +357,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="backend to check (repeatable); default: every backend found")
     r.add_argument("--check", action="append", metavar="ID",
                    help="check id or claim id prefix (repeatable), e.g. F2 or B1.layer_norm_shift")
-    r.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16", "float64"],
+    r.add_argument("--dtype", action="append", choices=list(runner.DEFAULT_DTYPES),
                    help="dtype (repeatable); default: all four")
-    r.add_argument("--json", default=DEFAULT_JSON, help=f"results path (default {DEFAULT_JSON})")
-    r.add_argument("--html", default=DEFAULT_HTML, help=f"report path (default {DEFAULT_HTML})")
+    r.add_argument("--json", default=None, metavar="PATH",
+                   help="results path (default: results/<UTC time>-<label>.json, a new file "
+                        "for every run; results/latest names the newest)")
+    r.add_argument("--html", default=None, metavar="PATH",
+                   help="report path (default: reports/<same name>.html)")
     r.add_argument("--no-html", action="store_true", help="write the JSON only")
-    r.add_argument("--seed", type=int, default=0, help="Hypothesis seed, recorded (default 0)")
-    r.add_argument("--examples", type=int, default=10,
-                   help="Hypothesis examples per drawn case (default 10)")
-    r.add_argument("--timeout", type=float, default=120.0,
+    r.add_argument("--seed", type=_seed, default=0,
+                   help="seed of every drawn input, recorded (0 to 2**63 - 1; default 0)")
+    r.add_argument("--examples", type=_positive_int, default=10,
+                   help="Hypothesis examples per drawn case (at least 1; default 10)")
+    r.add_argument("--timeout", type=_seconds, default=120.0,
                    help="seconds one check may take on one backend and dtype (default 120)")
-    r.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                   help="backends checked in parallel processes (default: cores)")
-    r.add_argument("--label", default=None, help="run label in the results (default: tox env "
-                   "or host name)")
+    r.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
+                   help="backends checked at once, each in its own process (default: cores)")
+    r.add_argument("--label", type=_label, default=None,
+                   help="run label in the results and file name (default: tox env or host name)")
     r.add_argument("--shrink", action="store_true", help="let Hypothesis shrink failures")
+    r.add_argument("--record-unavailable", action="store_true",
+                   help="record a --backend that cannot be loaded as an error and run the "
+                        "others (default: refuse the run, exit 2)")
     r.add_argument("--quiet", action="store_true", help="no per-check progress lines")
     r.set_defaults(fn=cmd_run)
 
-    rep = sub.add_parser("report", help="merge results JSON files into one HTML report")
-    rep.add_argument("files", nargs="+", help="results JSON files, or folders of them")
-    rep.add_argument("-o", "--output", default=DEFAULT_HTML)
+    rep = sub.add_parser("report", help="merge results files into one HTML report")
+    rep.add_argument("files", nargs="*", metavar="FILE|FOLDER",
+                     help="results files (.json, or a .jsonl stream of an unfinished run) or "
+                          "folders of them; none: the latest run (results/latest)")
+    rep.add_argument("-o", "--output", default=None,
+                     help="report path (default: reports/<results name>.html, or "
+                          "reports/<UTC time>-merged.html for several files)")
     rep.set_defaults(fn=cmd_report)
 
     be = sub.add_parser("bench", help="benchmark every backend against a memory copy")

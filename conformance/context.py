@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,8 @@ class Context:
     conventions: object = None
     shrink: bool = False
     records: list[Record] = field(default_factory=list)
+    #: called with each record as its case ends, so the run can stream it to disk
+    on_record: Callable[[Record], None] | None = None
     calls: list[str] = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
 
@@ -130,7 +133,7 @@ class Context:
             status, message = "error", str(exc)
         except Exception as exc:  # noqa: BLE001 - e.g. a Hypothesis error about the backend
             status, message = "error", f"{type(exc).__name__}: {exc}"
-        self.records.append(Record(
+        rec = Record(
             backend=self.backend_name, check=self.check_id, claim=self.claim,
             op=op or self.op, dtype=self.dtype_name, case=name, status=status,
             message=message, max_ulp=measure.max_ulp if measure.comparisons else None,
@@ -141,7 +144,10 @@ class Context:
             inputs="; ".join(f"{k} = {v.code(self.dtype_name)}" for k, v in self.inputs.items()
                              if v is not None)[:4000],
             repro=self.repro() if status in ("fail", "error", "refused") else "",
-            reason=reason, seed=self.seed, duration_s=round(time.perf_counter() - start, 4)))
+            reason=reason, seed=self.seed, duration_s=round(time.perf_counter() - start, 4))
+        self.records.append(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
 
     def explore(self, name: str, strategy, body, *, op: str | None = None):
         """A Hypothesis-driven case: `body(example, measure)` runs for each drawn example

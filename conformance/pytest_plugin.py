@@ -7,14 +7,20 @@ user's own test suite.
 Each (backend, check, dtype) becomes one test item. A failing or erroring record fails
 the item with the spec's message and the repro snippet; a documented deviation is an
 xfail with its reason; unsupported is a skip that says which capability is missing.
+
+Each backend runs in a process of its own, as in `normspec run` (worker.py): a backend
+that hangs past --normspec-timeout or crashes fails that item alone, and nothing of it
+is left running when the session ends.
 """
 
 from __future__ import annotations
 
 import pytest
-from normspec.impls import registry
 
 from . import runner
+from .worker import Worker
+
+_WORKERS: dict[str, Worker] = {}
 
 
 def pytest_addoption(parser):
@@ -33,29 +39,29 @@ def pytest_addoption(parser):
 
 
 class NormspecItem(pytest.Item):
-    def __init__(self, *, loaded, check, dtype, **kwargs):
+    def __init__(self, *, worker, check, dtype, **kwargs):
         super().__init__(**kwargs)
-        self.loaded, self.check, self.dtype = loaded, check, dtype
+        self.worker, self.check, self.dtype = worker, check, dtype
         self.records = []
 
     def runtest(self):
-        if not self.loaded.available:
-            raise NormspecFailure(f"backend {self.loaded.requested!r} could not be used: "
-                                  f"{self.loaded.error}")
+        if not self.worker.entry.get("available"):
+            raise NormspecFailure(f"backend {self.worker.requested!r} could not be used: "
+                                  f"{self.worker.error}")
         opt = self.config.getoption
-        self.records = runner.run_check(self.loaded, self.check, self.dtype,
-                                        seed=opt("normspec_seed"),
-                                        examples=opt("normspec_examples"),
-                                        timeout=opt("normspec_timeout"))
-        bad = [r for r in self.records if r.status in ("fail", "error")]
+        self.records = self.worker.execute(self.check.id, self.dtype, seed=opt("normspec_seed"),
+                                           examples=opt("normspec_examples"), shrink=False,
+                                           timeout=opt("normspec_timeout"))
+        bad = [r for r in self.records if r["status"] in ("fail", "error")]
         if bad:
             raise NormspecFailure("\n\n".join(
-                f"[{r.status}] {r.case}: {r.message}\n--- repro ---\n{r.repro}" for r in bad))
-        statuses = {r.status for r in self.records}
+                f"[{r['status']}] {r['case']}: {r['message']}\n--- repro ---\n{r['repro']}"
+                for r in bad))
+        statuses = {r["status"] for r in self.records}
         if statuses == {"unsupported"}:
-            pytest.skip(f"unsupported: {self.records[0].message}")
+            pytest.skip(f"unsupported: {self.records[0]['message']}")
         if "deviation" in statuses:
-            reasons = sorted({r.reason for r in self.records if r.status == "deviation"})
+            reasons = sorted({r["reason"] for r in self.records if r["status"] == "deviation"})
             pytest.xfail("documented deviation: " + " | ".join(reasons))
 
     def repr_failure(self, excinfo):
@@ -77,13 +83,24 @@ def pytest_collection_modifyitems(session, config, items):
         return
     checks = runner.select_checks(config.getoption("normspec_check") or None)
     dtypes = config.getoption("normspec_dtype") or list(runner.DEFAULT_DTYPES)
-    for spec in specs:
-        try:
-            loaded = registry.load(spec)
-        except registry.UnknownBackend as exc:
-            loaded = registry.LoadedBackend(spec, spec, error=str(exc))
+    timeout = config.getoption("normspec_timeout")
+    fresh = [Worker(spec, "pytest") for spec in dict.fromkeys(specs) if spec not in _WORKERS]
+    for w in fresh:  # every backend loads at once, each in its own process
+        _WORKERS[w.requested] = w
+        w.start()
+    for w in fresh:
+        w.wait_loaded(timeout)
+    for spec in dict.fromkeys(specs):
+        worker = _WORKERS[spec]
         for check in checks:
-            for dtype in dtypes:
+            for dtype in runner.check_dtypes(dtypes):
+                if check.dtypes is not None and dtype not in check.dtypes:
+                    continue  # outside the check's domain: no item, as no record
                 items.append(NormspecItem.from_parent(
-                    session, name=f"{loaded.name}::{check.id}[{dtype}]", loaded=loaded,
+                    session, name=f"{worker.entry['name']}::{check.id}[{dtype}]", worker=worker,
                     check=check, dtype=dtype))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    while _WORKERS:
+        _WORKERS.popitem()[1].stop()

@@ -1,15 +1,41 @@
-"""The results JSON: the seam between running checks and reporting them.
+"""The results format: the seam between running checks and reporting them.
 
-Schema (version 1), one JSON object per file:
+A run is written twice, so that nothing it did is ever lost:
 
-    {"schema": "normspec-results", "version": 1,
-     "runs": [{"run": label, "created": ISO time, "seed": int, "host": ..., "cpu": ...,
-               "python": ..., "versions": {package: version}, "argv": [...]}],
+* while it runs, as a JSON Lines *stream* (`<name>.jsonl`): one JSON object a line,
+  appended and flushed as each record is produced, so a crash, Ctrl-C or kill leaves
+  every finished record on disk;
+* when it ends (completely or interrupted), as one *document* (`<name>.json`), written
+  atomically; the stream is then removed.
+
+`read()` takes either; a stream without its end line is a run that was killed, and
+reads as an incomplete document.
+
+Document (schema "normspec-results", version 2; version 1 files are read too):
+
+    {"schema": "normspec-results", "version": 2,
+     "runs": [{"run": label, "created": ISO time, "seed": int, "host", "cpu", "python",
+               "versions": {package: version}, "argv": [...], "duration_s": float,
+               "complete": bool, "stopped_by": "" | "SIGINT" | "SIGTERM" | "killed",
+               "planned": int, "not_reached": [[backend, check, dtype], ...]}],
      "backends": [{"name", "source", "version", "available", "error",
                    "capabilities", "conventions", "deviations", "run"}],
      "tolerances": [{"quantity", "base_ulps", "growth", "reason"}],
      "records": [Record...],
      "benchmarks": [...]}
+
+Stream: the first line is {"stream": "normspec-results", "version": 2, "run": {...},
+"tolerances": [...], "plan": [[backend, check, dtype], ...]}; then lines {"backend": {...}},
+{"record": {...}} and {"done": [backend, check, dtype]} (a unit finished); the last line,
+when the run ended in an orderly way, is {"end": {"complete": bool, "stopped_by": ...,
+"duration_s": ...}}.
+
+Non-finite numbers are data: a backend's inf or NaN must reach the report. Strict JSON
+has no token for them, so every float that is not finite is written as the string
+"inf", "-inf" or "nan", wherever it occurs; the measure fields of a record (`max_ulp`,
+`bound_ulp`, `max_abs`, `max_rel`, `duration_s`, and `worst.ulp` / `worst.bound`) are
+read back as floats. Files contain no `NaN`/`Infinity` tokens, so `jq`, browsers and
+`json.loads(..., parse_constant=...)` read them.
 
 A Record is one (backend, check, op, dtype, case) with a status:
   pass        the backend agreed with the spec within the tolerance table's bound
@@ -17,7 +43,7 @@ A Record is one (backend, check, op, dtype, case) with a status:
   deviation   it disagreed in a way its deviations file documents (reason given)
   refused     it raised where the spec gives a value, as its conventions declare
   unsupported its capabilities say it does not offer this
-  error       the adapter crashed, hung, or broke the contract of the protocol
+  error       the adapter crashed, hung, died, or broke the contract of the protocol
 Files from several runs merge by concatenating runs, backends and records; each record
 keeps the label of the run it came from.
 """
@@ -25,14 +51,37 @@ keeps the label of the run it came from.
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 SCHEMA = "normspec-results"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 STATUSES = ("pass", "fail", "deviation", "refused", "unsupported", "error")
 FAILING = ("fail", "error")
+#: Record fields (and fields of `worst`) that hold numbers, read back from "inf"/"nan".
+MEASURES = ("max_ulp", "bound_ulp", "max_abs", "max_rel", "duration_s")
+WORST_MEASURES = ("ulp", "bound")
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+#: Keys every record must have, with their JSON types, for a file to be readable.
+RECORD_KEYS = {"backend": str, "check": str, "claim": str, "op": str, "dtype": str,
+               "case": str, "status": str}
+BACKEND_KEYS = {"name": str, "available": bool, "run": str}
+#: What a reader may assume of the optional keys, filled in where a file lacks them.
+BACKEND_DEFAULTS = {"source": "", "version": "", "error": None, "capabilities": {},
+                    "conventions": {}, "deviations": []}
+RUN_DEFAULTS = {"created": "", "seed": None, "host": "", "cpu": "", "platform": "",
+                "python": "", "versions": {}, "argv": [], "complete": True, "stopped_by": "",
+                "not_reached": []}
+
+
+class ResultsError(ValueError):
+    """A results file that cannot be read: the message names the file and the problem."""
 
 
 @dataclass
@@ -62,24 +111,61 @@ class Record:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        for k in ("max_ulp", "bound_ulp", "max_abs", "max_rel"):
-            if d[k] is not None and d[k] != d[k]:  # NaN is not JSON
-                d[k] = None
-            elif d[k] is not None and abs(d[k]) == float("inf"):
-                d[k] = "inf"
-        return d
+        return encode(asdict(self))
 
 
-def _float(v):
-    return float("inf") if v == "inf" else v
+_RECORD_DEFAULTS = {"message": "", "max_ulp": None, "bound_ulp": None, "max_abs": None,
+                    "max_rel": None, "worst": {}, "inputs": "", "repro": "", "reason": "",
+                    "seed": None, "duration_s": 0.0, "run": ""}
+
+
+def encode(obj):
+    """`obj` as strict-JSON-ready data: non-finite floats become "inf"/"-inf"/"nan",
+    NumPy scalars and arrays become Python numbers and lists, and anything else that JSON
+    has no form for becomes its repr, so writing can never fail on a backend's value."""
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        v = float(obj)
+        if math.isfinite(v):
+            return v
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if isinstance(obj, dict):
+        return {str(k): encode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [encode(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return encode(obj.tolist())
+    return repr(obj)
+
+
+def number(v):
+    """A measure read back: "inf", "-inf", "nan" to floats; numbers and None unchanged."""
+    return _NONFINITE.get(v, v) if isinstance(v, str) else v
+
+
+def decode_record(d: dict) -> dict:
+    """A record dict with its measures as numbers (inf and NaN restored) and every
+    optional field present."""
+    d = {**_RECORD_DEFAULTS, **d}
+    for k in MEASURES:
+        if k in d:
+            d[k] = number(d[k])
+    if isinstance(d.get("worst"), dict):
+        d["worst"] = {k: (number(v) if k in WORST_MEASURES else v) for k, v in d["worst"].items()}
+    return d
 
 
 def record_from_json(d: dict) -> Record:
-    d = dict(d)
-    for k in ("max_ulp", "bound_ulp", "max_abs", "max_rel"):
-        d[k] = _float(d.get(k))
-    return Record(**d)
+    return Record(**decode_record(d))
+
+
+def dumps(obj, **kw) -> str:
+    return json.dumps(encode(obj), allow_nan=False, **kw)
 
 
 def new_document() -> dict:
@@ -87,30 +173,80 @@ def new_document() -> dict:
             "tolerances": [], "records": [], "benchmarks": []}
 
 
-def validate(doc: dict, source: str = "results") -> dict:
+# ------------------------------------------------------------------ validation
+def _check_keys(obj, keys: dict, what: str, source: str) -> None:
+    if not isinstance(obj, dict):
+        raise ResultsError(f"{source}: {what} is {type(obj).__name__}, not an object")
+    for k, t in keys.items():
+        if k not in obj:
+            raise ResultsError(f"{source}: {what} has no {k!r}")
+        if not isinstance(obj[k], t):
+            raise ResultsError(f"{source}: {what} has {k} = {obj[k]!r}, not a {t.__name__}")
+
+
+def validate(doc, source: str = "results") -> dict:
+    """`doc` if it is a readable results document, with measures decoded; else
+    ResultsError naming the first problem."""
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise ValueError(f"{source} is not a normspec results file (schema != {SCHEMA!r})")
-    if doc.get("version") != VERSION:
-        raise ValueError(f"{source} has results schema version {doc.get('version')!r}; "
-                         f"this normspec reads version {VERSION}")
-    for i, r in enumerate(doc.get("records", [])):
-        if r.get("status") not in STATUSES:
-            raise ValueError(f"{source}: record {i} has unknown status {r.get('status')!r}")
+        raise ResultsError(f"{source} is not a normspec results file (schema != {SCHEMA!r})")
+    if doc.get("version") not in READABLE_VERSIONS:
+        raise ResultsError(f"{source} has results schema version {doc.get('version')!r}; "
+                           f"this normspec reads versions {READABLE_VERSIONS}")
+    for key in ("runs", "backends", "records"):
+        if not isinstance(doc.get(key), list):
+            raise ResultsError(f"{source} has no list {key!r}")
+    for i, run in enumerate(doc["runs"]):
+        _check_keys(run, {"run": str}, f"run {i}", source)
+        doc["runs"][i] = {**RUN_DEFAULTS, **run}
+    for i, b in enumerate(doc["backends"]):
+        _check_keys(b, BACKEND_KEYS, f"backend {i}", source)
+        doc["backends"][i] = {**BACKEND_DEFAULTS, **b}
+    for i, r in enumerate(doc["records"]):
+        _check_keys(r, RECORD_KEYS, f"record {i}", source)
+        if r["status"] not in STATUSES:
+            raise ResultsError(f"{source}: record {i} has unknown status {r['status']!r}")
+        if not isinstance(r.get("worst", {}), dict) or not isinstance(r.get("message", ""), str):
+            raise ResultsError(f"{source}: record {i} has a 'worst' that is not an object or "
+                               "a 'message' that is not a string")
+    for key in ("tolerances", "benchmarks"):
+        if not isinstance(doc.setdefault(key, []), list):
+            raise ResultsError(f"{source} has {key!r} that is not a list")
+    doc["records"] = [decode_record(r) for r in doc["records"]]
     return doc
 
 
+def _reject_constant(name):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _loads(text: str, source: str):
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise ResultsError(f"{source} is not valid JSON ({exc})") from None
+
+
+# ------------------------------------------------------------------ documents
 def write(doc: dict, path) -> Path:
+    """Write a document atomically (a temporary file renamed over the target)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False), encoding="utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dumps(doc, indent=1), encoding="utf-8")
     tmp.replace(path)
     return path
 
 
 def read(path) -> dict:
+    """A document from a `.json` document or a `.jsonl` stream (see the module doc)."""
     path = Path(path)
-    return validate(json.loads(path.read_text(encoding="utf-8")), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"cannot read {path}: {exc}") from None
+    if path.suffix == ".jsonl":
+        return from_stream(text, str(path))
+    return validate(_loads(text, str(path)), str(path))
 
 
 def merge(docs: list[dict]) -> dict:
@@ -130,3 +266,86 @@ def summarize(records: list[dict]) -> dict[str, Counter]:
     for r in records:
         counts.setdefault(r["backend"], Counter())[r["status"]] += 1
     return counts
+
+
+# ------------------------------------------------------------------ streams
+class Stream:
+    """The append-only JSON Lines record of a run in progress: every line is written
+    with one call and flushed, and a finished unit is also fsync'd, so what was done
+    survives a kill of this process (or of the machine, for finished units)."""
+
+    def __init__(self, path, *, run: dict, tolerances: list, plan: list):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "x", encoding="utf-8")  # never append to another run's
+        self._line({"stream": SCHEMA, "version": VERSION, "run": run, "tolerances": tolerances,
+                    "plan": plan})
+
+    def _line(self, obj, sync=False) -> None:
+        self._f.write(dumps(obj) + "\n")
+        self._f.flush()
+        if sync:
+            os.fsync(self._f.fileno())
+
+    def backend(self, entry: dict) -> None:
+        self._line({"backend": entry}, sync=True)
+
+    def record(self, rec: dict) -> None:
+        self._line({"record": rec})
+
+    def done(self, unit) -> None:
+        self._line({"done": list(unit)}, sync=True)
+
+    def end(self, **info) -> None:
+        self._line({"end": info}, sync=True)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def from_stream(text: str, source: str = "stream") -> dict:
+    """The document a stream describes; without an end line it is marked killed."""
+    lines = text.splitlines()
+    objs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            objs.append(json.loads(line, parse_constant=_reject_constant))
+        except ValueError as exc:
+            if n == len(lines):  # the last line, cut short by a kill mid-write
+                break
+            raise ResultsError(f"{source}: line {n} is not valid JSON ({exc})") from None
+    if not objs or not isinstance(objs[0], dict) or objs[0].get("stream") != SCHEMA:
+        raise ResultsError(f"{source} is not a normspec results stream (no header line)")
+    head = objs[0]
+    if not isinstance(head.get("run"), dict) or not isinstance(head.get("plan"), list):
+        raise ResultsError(f"{source}: the header line has no 'run' or no 'plan'")
+    doc = new_document()
+    run = dict(head["run"])
+    doc["runs"].append(run)
+    doc["tolerances"] = head.get("tolerances", [])
+    done, end = set(), None
+    for obj in objs[1:]:
+        if not isinstance(obj, dict):
+            raise ResultsError(f"{source}: a line holds {type(obj).__name__}, not an object")
+        if "backend" in obj:
+            doc["backends"].append(obj["backend"])
+        elif "record" in obj:
+            doc["records"].append(obj["record"])
+        elif "done" in obj:
+            done.add(tuple(obj["done"]))
+        elif "end" in obj:
+            end = obj["end"]
+    run["planned"] = len(head["plan"])
+    run["not_reached"] = [u for u in head["plan"] if tuple(u) not in done]
+    if end is None:
+        run.update(complete=False, stopped_by="killed (the stream has no end line)")
+    else:
+        run.update(complete=bool(end.get("complete")) and not run["not_reached"],
+                   stopped_by=end.get("stopped_by", ""), duration_s=end.get("duration_s"))
+    return validate(doc, source)
+
+
+__all__ = ["FAILING", "STATUSES", "Record", "ResultsError", "Stream", "encode", "merge", "read",
+           "validate", "write"]

@@ -1,6 +1,10 @@
-"""The runner: every selected check, for every backend and dtype, each in its own
-thread with a timeout, so a backend that raises, hangs or misbehaves fails that check
-alone and the run goes on."""
+"""The run: every selected check, for every backend and dtype.
+
+Each backend runs in a process of its own (worker.py), driven by a thread here; at most
+`jobs` backends work at once. A backend that raises, hangs, dies or misbehaves fails
+that check alone and the run goes on. Every record is handed to `on_record` the moment
+it arrives (the CLI streams it to disk), and an interruption (Ctrl-C, SIGTERM) stops the
+backend processes at once and returns what was done, marked incomplete."""
 
 from __future__ import annotations
 
@@ -11,17 +15,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from importlib import metadata
 
-import numpy as np
-from normspec.impls import registry
-from normspec.impls.protocol import Capabilities
-
 from . import results, tolerances
-from .cases import DTYPE_NAMES, dtype_of
+from .cases import DTYPE_NAMES
 from .checks import Check, all_checks
-from .context import Context
 from .results import Record
+from .unit import backend_entry, run_check
+from .worker import Worker
 
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 VERSIONED_PACKAGES = ("normspec", "numpy", "ml_dtypes", "hypothesis", "torch", "jax", "flax",
@@ -69,166 +71,185 @@ def run_info(seed: int, label: str) -> dict:
             "python": sys.version.split()[0], "versions": _versions(), "argv": sys.argv[1:]}
 
 
-def _why_not(check: Check, caps: Capabilities, dtype: str) -> str | None:
-    missing = [op for op in check.ops if op not in caps.ops]
-    if missing:
-        return f"capabilities do not list {', '.join(missing)}"
-    if dtype not in caps.dtypes:
-        return f"capabilities do not list dtype {dtype}"
-    for need in check.needs:
-        if need == "gradients":
-            lacking = [op for op in check.ops if op not in caps.gradients]
-            if lacking:
-                return f"capabilities list no gradients for {', '.join(lacking)}"
-        elif not getattr(caps, need, False):
-            return f"capabilities say {need} = False"
-    return None
 
 
-def _deviation_reason(rec: Record, deviations: list[dict]) -> str | None:
-    """The reason of the first deviation entry that matches a failed record.
+class Stopped(BaseException):
+    """Raised in the main thread by a signal handler: the run stops, keeping its records.
+    A BaseException, like KeyboardInterrupt, so no `except Exception` swallows it."""
 
-    An entry names any of: `check` (an id, an id prefix, or a claim id), `op`, `dtype`,
-    and `quantity` (the start of the failing quantity's name, e.g. "layer.running_var"
-    or "batch_norm"); every field it names must match."""
-    for d in deviations:
-        target = d.get("check")
-        if target and not (rec.check == target or rec.check.startswith(target + ".")
-                           or rec.claim == target):
-            continue
-        if d.get("dtype") not in (None, rec.dtype) or d.get("op") not in (None, rec.op):
-            continue
-        quantity = d.get("quantity")
-        if quantity and not str(rec.worst.get("what", "")).startswith(quantity):
-            continue
-        return str(d.get("reason", "documented deviation"))
-    return None
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
 
 
-def run_check(loaded: registry.LoadedBackend, check: Check, dtype: str, *, seed: int,
-              examples: int, timeout: float, shrink: bool = False) -> list[Record]:
-    """One check for one backend and dtype, in a worker thread bounded by `timeout`."""
-    backend = loaded.backend
-    ctx = Context(backend_name=loaded.name, source=loaded.requested, backend=backend, shrink=shrink,
-                  check_id=check.id, claim=check.claim, op="/".join(check.ops),
-                  dtype=dtype_of(dtype), seed=seed, examples=examples,
-                  conventions=getattr(backend, "conventions", None))
-    base = dict(backend=loaded.name, check=check.id, claim=check.claim, op=ctx.op, dtype=dtype,
-                seed=seed)
-    if check.dtypes is not None and dtype not in check.dtypes:
-        return []  # outside the check's domain (e.g. float16 subnormals): nothing to record
-    why = _why_not(check, backend.capabilities, dtype)
-    if why:
-        return [Record(**base, case="all", status="unsupported", message=why)]
-    box: dict = {}
-
-    def target():
-        try:
-            # findings go into records; NumPy's floating-point warnings would only be noise
-            with np.errstate(all="ignore"):
-                check.fn(ctx)
-        except Exception as exc:  # noqa: BLE001 - a crash outside any case
-            box["error"] = f"{type(exc).__name__}: {exc}"
-
-    start = time.perf_counter()
-    worker = threading.Thread(target=target, name=f"normspec-{loaded.name}-{check.id}", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    elapsed = round(time.perf_counter() - start, 3)
-    if worker.is_alive():
-        done = list(ctx.records)
-        return done + [Record(**base, case="timeout", status="error", duration_s=elapsed,
-                              message=f"timed out after {timeout:g} s (the backend hung or is "
-                                      f"too slow); {len(done)} case(s) had finished")]
-    records = list(ctx.records)
-    if "error" in box:
-        records.append(Record(**base, case="check body", status="error", message=box["error"],
-                              duration_s=elapsed))
-    if not records:
-        records.append(Record(**base, case="all", status="error", duration_s=elapsed,
-                              message="the check produced no result (a defect in normspec)"))
-    for rec in records:
-        rec.seed = seed
-        if rec.status == "fail":
-            reason = _deviation_reason(rec, loaded.deviations)
-            if reason:
-                rec.status, rec.reason = "deviation", reason
-    return records
+class BackendNotUsable(ValueError):
+    """A backend asked for by name could not be loaded (before any check ran)."""
 
 
-def backend_entry(loaded: registry.LoadedBackend, label: str) -> dict:
-    b = loaded.backend
-    entry = {"name": loaded.name, "source": loaded.source, "available": loaded.available,
-             "error": loaded.error, "deviations": loaded.deviations, "run": label,
-             "version": str(getattr(b, "version", "")) if b else "",
-             "capabilities": {}, "conventions": {}}
-    if b is not None:
-        for key in ("capabilities", "conventions"):
-            obj = getattr(b, key, None)
-            try:
-                entry[key] = obj.as_dict() if hasattr(obj, "as_dict") else dict(vars(obj))
-            except Exception as exc:  # noqa: BLE001 - a third party's broken declaration
-                entry[key] = {"error": f"{type(exc).__name__}: {exc}"}
-    return entry
+def plan(backends: list[str], checks: list[Check], dtypes: list[str]) -> list[tuple]:
+    """The units of a run, in order: (backend, check id, dtype). A check restricted to
+    some dtypes plans only those."""
+    return [(b, c.id, d) for b in backends for c in checks for d in dtypes
+            if c.dtypes is None or d in c.dtypes]
+
+
+def check_dtypes(dtypes: Iterable[str]) -> list[str]:
+    dtypes = list(dtypes)
+    for d in dtypes:
+        if d not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {d!r}; choose from {', '.join(DTYPE_NAMES)}")
+    return dtypes
+
+
+class _Run:
+    """The state of one run: its workers, its records per unit, and whether it stops."""
+
+    def __init__(self, *, label, seed, examples, timeout, shrink, say, on_record):
+        self.label, self.seed, self.examples = label, seed, examples
+        self.timeout, self.shrink, self.say = timeout, shrink, say
+        self.on_record = on_record or (lambda rec: None)
+        self.on_done: Callable[[tuple], None] = lambda unit: None
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.workers: dict[str, Worker] = {}
+        self.records: dict[tuple, list[dict]] = {}
+        self.done: set[tuple] = set()
+
+    def _keep(self, unit, rec: dict) -> None:
+        rec["run"] = self.label
+        with self.lock:
+            self.records.setdefault(unit, []).append(rec)
+            self.on_record(rec)
+
+    def load(self, names: list[str]) -> list[Worker]:
+        """Start every backend's process at once and wait until each has loaded."""
+        workers = [Worker(n, self.label) for n in names]
+        for w in workers:
+            self.workers[w.requested] = w
+            w.start()
+        for w in workers:
+            w.wait_loaded(self.timeout)
+        return workers
+
+    def drive(self, worker: Worker, units: list[tuple]) -> None:
+        """One backend's units, in order, in its process; runs in a thread of this one."""
+        name = worker.entry["name"]
+        for unit in units:
+            if self.stopping.is_set():
+                return
+            _, check_id, dtype = unit
+            t0 = time.perf_counter()
+            recs = worker.execute(check_id, dtype, seed=self.seed, examples=self.examples,
+                                  shrink=self.shrink, timeout=self.timeout,
+                                  on_record=lambda rec, u=unit: self._keep(u, rec))
+            if self.stopping.is_set():
+                return  # the unit was cut short by the stop, not by the backend
+            with self.lock:
+                self.done.add(unit)
+                self.on_done(unit)
+            if recs:
+                counts = ", ".join(f"{n} {s}" for s, n in _count(recs).items())
+                self.say(f"{name:>8} {check_id:<26} {dtype:<9} {counts} "
+                         f"({time.perf_counter() - t0:.1f}s)")
+        worker.stop()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for w in self.workers.values():
+            w.kill()
 
 
 def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
         dtypes: list[str] | None = None, seed: int = 0, examples: int = 20,
-        timeout: float = 120.0, label: str | None = None, shrink: bool = False,
-        progress: Callable[[str], None] | None = None) -> dict:
+        timeout: float = 120.0, label: str | None = None, shrink: bool = False, jobs: int = 1,
+        record_unavailable: bool = False, progress: Callable[[str], None] | None = None,
+        on_start: Callable[[dict, list], object] | None = None,
+        on_record: Callable[[dict], None] | None = None,
+        on_done: Callable[[tuple], None] | None = None) -> dict:
     """Run the conformance suite and return the results document (see results.py).
 
     `backends` None means every backend found; those whose framework is missing are
-    listed as unavailable. A backend asked for by name that is unknown or unavailable
-    gets an error record, so the run fails but still completes.
+    listed as unavailable. A backend asked for by name that cannot be loaded raises
+    BackendNotUsable before any check runs, unless `record_unavailable`, which records it
+    as an error. `on_start(doc, plan)` is called once the backends are loaded and before
+    the first check; `on_record(record)` with each record as it arrives, `on_done(unit)`
+    when a unit finishes. Ctrl-C or `Stopped` end the run early: the document returned
+    then has `complete` False, `stopped_by`, and the units `not_reached`.
     """
     say = progress or (lambda _msg: None)
     label = label or os.environ.get("TOX_ENV_NAME") or platform.node() or "local"
     selected = select_checks(checks)
-    dtypes = list(dtypes or DEFAULT_DTYPES)
-    for d in dtypes:
-        if d not in DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {d!r}; choose from {', '.join(DTYPE_NAMES)}")
+    dtypes = check_dtypes(dtypes or DEFAULT_DTYPES)
+    explicit = backends is not None
+    from normspec.impls import registry
+
+    # a backend asked for twice is checked once
+    names = list(dict.fromkeys(backends)) if explicit else list(registry.discover())
     doc = results.new_document()
     doc["runs"].append(run_info(seed, label))
     doc["tolerances"] = tolerances.table_rows()
-    explicit = backends is not None
-    names = list(backends) if explicit else list(registry.discover())
-    for name in names:
-        try:
-            loaded = registry.load(name)
-        except registry.UnknownBackend as exc:
-            loaded = registry.LoadedBackend(name, name, error=str(exc))
-        doc["backends"].append(backend_entry(loaded, label))
-        if not loaded.available:
-            say(f"{name}: unavailable: {loaded.error}")
-            if explicit:
-                doc["records"].append(Record(
-                    backend=loaded.name, check="load", claim="-", op="-", dtype="-", case="load",
-                    status="error", message=f"backend {name!r} could not be used: {loaded.error}",
-                    run=label).to_json())
-            continue
-        for check in selected:
-            for dtype in dtypes:
-                t0 = time.perf_counter()
-                recs = run_check(loaded, check, dtype, seed=seed, examples=examples,
-                                 timeout=timeout, shrink=shrink)
-                if not recs:
-                    continue
-                counts = ", ".join(f"{n} {s}" for s, n in _count(recs).items())
-                say(f"{loaded.name:>8} {check.id:<26} {dtype:<9} {counts} "
-                    f"({time.perf_counter() - t0:.1f}s)")
-                for rec in recs:
-                    rec.run = label
-                    doc["records"].append(rec.to_json())
+    state = _Run(label=label, seed=seed, examples=examples, timeout=timeout, shrink=shrink,
+                 say=say, on_record=on_record)
+    start = time.perf_counter()
+    units: list[tuple] = []
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="normspec-backend")
+    stopped_by = ""
+    try:
+        workers = state.load(names)
+        unusable = [w for w in workers if not w.entry.get("available")]
+        if explicit and unusable and not record_unavailable:
+            raise BackendNotUsable("; ".join(f"backend {w.requested!r} could not be used: "
+                                             f"{w.error}" for w in unusable))
+        seen: dict[str, str] = {}
+        for w in workers:
+            other = seen.setdefault(w.entry["name"], w.requested)
+            if other != w.requested:
+                raise BackendNotUsable(f"backends {other!r} and {w.requested!r} both call "
+                                       f"themselves {w.entry['name']!r}; records could not "
+                                       "be told apart (give one another name)")
+        for w in workers:
+            doc["backends"].append(w.entry)
+            if w in unusable:
+                say(f"{w.requested}: unavailable: {w.error}")
+                if explicit:
+                    rec = Record(backend=w.entry["name"], check="load", claim="-", op="-",
+                                 dtype="-", case="load", status="error", seed=seed,
+                                 message=f"backend {w.requested!r} could not be used: {w.error}")
+                    state._keep((w.requested, "load", "-"), rec.to_json())
+        usable = [w for w in workers if w not in unusable]
+        units = plan([w.entry["name"] for w in usable], selected, dtypes)
+        if on_start is not None:
+            on_start(doc, units)
+        if on_done is not None:
+            state.on_done = on_done
+        futures = [pool.submit(state.drive, w, [u for u in units if u[0] == w.entry["name"]])
+                   for w in usable]
+        while futures:
+            finished, pending = wait(futures, timeout=0.5, return_when=FIRST_EXCEPTION)
+            for f in finished:
+                f.result()  # a defect in normspec itself surfaces, never silently
+            futures = list(pending)
+    except (KeyboardInterrupt, Stopped) as exc:
+        stopped_by = exc.signal_name if isinstance(exc, Stopped) else "SIGINT"
+    finally:
+        state.stop()
+        pool.shutdown(wait=True, cancel_futures=True)
+    for unit in [k for k in state.records if k[1] == "load"] + units:
+        doc["records"].extend(state.records.get(unit, []))
+    run_doc = doc["runs"][0]
+    not_reached = [list(u) for u in units if u not in state.done]
+    run_doc.update(duration_s=round(time.perf_counter() - start, 1), planned=len(units),
+                   complete=not stopped_by and not not_reached, stopped_by=stopped_by,
+                   not_reached=not_reached)
     return doc
 
 
 def _count(recs):
     out: dict[str, int] = {}
     for r in recs:
-        out[r.status] = out.get(r.status, 0) + 1
+        out[r["status"]] = out.get(r["status"], 0) + 1
     return out
 
 
-__all__ = ["DEFAULT_DTYPES", "run", "run_check", "select_checks"]
+__all__ = ["DEFAULT_DTYPES", "BackendNotUsable", "Stopped", "backend_entry", "plan", "run",
+           "run_check", "select_checks"]

@@ -5,6 +5,7 @@ SVG, so the file opens from disk with no network."""
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import re
@@ -75,8 +76,8 @@ def error_plot(doc) -> str | None:
     for r in doc["records"]:
         if r.get("max_ulp") is None or r.get("bound_ulp") in (None, 0):
             continue
-        ratio = r["max_ulp"] if r["max_ulp"] == "inf" else r["max_ulp"] / r["bound_ulp"]
-        ratio = 1e6 if ratio == "inf" or not math.isfinite(float(ratio)) else float(ratio)
+        ratio = float(r["max_ulp"]) / float(r["bound_ulp"])
+        ratio = 1e6 if not math.isfinite(ratio) else ratio  # inf and NaN at the top edge
         groups[(r["backend"], r["dtype"])].append(max(ratio, 1e-4))
     if not groups:
         return None
@@ -148,6 +149,7 @@ def build_context(doc: dict) -> dict:
     for r in doc["records"]:
         counts[_record_column(r, doc)][r["status"]] += 1
     verdicts = []
+    incomplete = {run["run"] for run in doc["runs"] if not run.get("complete", True)}
     for b in doc["backends"]:
         col = b["name"] if b["name"] in columns else f"{b['name']} ({b['run']})"
         c = counts[col]
@@ -160,6 +162,8 @@ def build_context(doc: dict) -> dict:
             line = "conforms to every check it supports"
         if b["available"] and c["deviation"]:
             line += f"; {c['deviation']} documented deviation(s)"
+        if b["run"] in incomplete:
+            line += " (incomplete run: not every check ran)"
         verdicts.append({"column": col, "backend": b, "counts": dict(c), "line": line,
                          "failing": failing})
     findings = [dict(r, claim_text=claim_text(r["claim"]))
@@ -175,12 +179,17 @@ def render(docs: list[dict]) -> str:
     env = jinja2.Environment(loader=jinja2.PackageLoader("normspec.reports", "templates"),
                              autoescape=jinja2.select_autoescape(["html", "j2"]),
                              undefined=jinja2.StrictUndefined)
-    doc = results.merge(docs)
+    # in-memory documents hold records as written (inf as "inf"): read them as numbers
+    doc = results.merge([results.validate(copy.deepcopy(d), "results") for d in docs])
     return env.get_template("report.html.j2").render(**build_context(doc))
 
 
 def write_report(docs: list[dict], path) -> Path:
+    """Render, then write atomically: a failed render leaves no half-written file."""
     path = Path(path)
+    page = render(docs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(docs), encoding="utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)
     return path

@@ -120,18 +120,23 @@ def chromium() -> str:
     pytest.skip(message)
 
 
-def test_report_renders_in_headless_chromium(merged, tmp_path):
-    _, _, report = merged
+def screenshot_pixels(report: Path, tmp_path: Path, width: int = 1280) -> np.ndarray:
+    """The report rendered by headless Chromium, as a grey-level pixel array."""
     shot = tmp_path / "shot.png"
     cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
            "--no-first-run", "--disable-background-networking", "--disable-component-update",
-           "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,1600",
-           f"--screenshot={shot}", report.as_uri()]
+           "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
+           f"--window-size={width},1600", f"--screenshot={shot}", report.as_uri()]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert shot.exists(), proc.stderr[-2000:]
     from PIL import Image
 
-    pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float64)
+    return np.asarray(Image.open(shot).convert("L"), dtype=np.float64)
+
+
+def test_report_renders_in_headless_chromium(merged, tmp_path):
+    _, _, report = merged
+    pixels = screenshot_pixels(report, tmp_path)
     assert pixels.shape[0] > 500 and pixels.shape[1] > 500
     assert pixels.std() > 10, "the screenshot is blank"
     assert len(np.unique(pixels)) > 30, "the screenshot has almost no content"

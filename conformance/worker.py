@@ -1,0 +1,235 @@
+"""A backend in a process of its own, so that nothing it does can take the run down.
+
+The run's process never imports a framework: each backend is loaded in a spawned child
+that runs one (check, dtype) unit at a time and sends every record back as soon as its
+case finishes. The parent enforces the timeout: a unit that overruns, or a child that
+dies (a segfault, an abort, an out-of-memory kill), costs that unit alone, with the
+records its finished cases already sent; the child is killed outright, so no thread of a
+hung backend lingers to print at exit or hold the process open, and a new child is
+started for the next unit. A child also dies with its parent (PR_SET_PDEATHSIG on
+Linux, and EOF on its pipe everywhere), so a killed run leaves no orphans working on.
+Children ignore SIGINT: on Ctrl-C the parent decides, and kills them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from .results import Record
+
+LOAD_TIMEOUT_MIN_S = 120.0  # a framework import on a busy 2-core machine can take a while
+
+
+@dataclass
+class Outcome:
+    """How a unit ended: "done", "timeout" or "died" (with the reason), and how many
+    records arrived before that."""
+
+    how: str
+    received: int
+    detail: str = ""
+
+
+def hypothesis_home() -> str:
+    """Where Hypothesis keeps its files during a run: a per-user cache, not the current
+    folder (HYPOTHESIS_STORAGE_DIRECTORY, when set, wins)."""
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        return os.environ["HYPOTHESIS_STORAGE_DIRECTORY"]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "normspec", "hypothesis")
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: the pipe's EOF still ends the child
+        pass
+
+
+def _child_main(conn, requested: str, label: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    set_hypothesis_home_dir(hypothesis_home())
+    from normspec.impls import registry
+
+    from .checks import all_checks
+    from .unit import backend_entry, run_check
+
+    try:
+        loaded = registry.load(requested)
+    except registry.UnknownBackend as exc:
+        loaded = registry.LoadedBackend(requested, requested, error=str(exc))
+    conn.send(("loaded", backend_entry(loaded, label), loaded.deviations))
+    if not loaded.available:
+        return
+    checks = {c.id: c for c in all_checks()}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "stop":
+            return
+        _, check_id, dtype, seed, examples, shrink = msg
+        records = run_check(loaded, checks[check_id], dtype, seed=seed, examples=examples,
+                            timeout=None, shrink=shrink,
+                            emit=lambda rec: conn.send(("record", rec.to_json())))
+        conn.send(("done", len(records)))
+
+
+def _signal_name(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "it stopped answering"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class Worker:
+    """The parent's handle on one backend's child process."""
+
+    def __init__(self, requested: str, label: str):
+        self.requested, self.label = requested, label
+        self.proc = None
+        self.conn = None
+        self.entry: dict | None = None
+        self.deviations: list = []
+        self.error: str | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Spawn the child; `wait_loaded` collects its answer."""
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child_main, args=(child, self.requested, self.label),
+                                name=f"normspec-{self.requested}", daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn = parent
+
+    def wait_loaded(self, timeout: float) -> bool:
+        """True when the backend loaded and is available; else `error` says why."""
+        timeout = max(timeout, LOAD_TIMEOUT_MIN_S)
+        try:
+            ready = self.conn.poll(timeout)
+            msg = self.conn.recv() if ready else None
+        except (EOFError, OSError):
+            msg = None
+        if msg is None:
+            why = (f"loading it took longer than {timeout:g} s" if self.proc.is_alive()
+                   else f"its process died while loading it ({self._exit()})")
+            self.kill()
+            self.error = why
+            if self.entry is None:
+                from normspec.impls.registry import LoadedBackend
+
+                from .unit import backend_entry
+
+                self.entry = backend_entry(LoadedBackend(self.requested, self.requested,
+                                                         error=why), self.label)
+            return False
+        _, self.entry, self.deviations = msg
+        self.error = self.entry.get("error")
+        if not self.entry.get("available"):
+            self.kill()
+            return False
+        return True
+
+    def restart(self, timeout: float) -> bool:
+        self.kill()
+        self.start()
+        return self.wait_loaded(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def _exit(self) -> str:
+        self.proc.join(2.0)
+        return _signal_name(self.proc.exitcode)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def stop(self) -> None:
+        """Ask the child to finish; kill it if it does not."""
+        if self.conn is not None and self.alive:
+            try:
+                self.conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+            self.proc.join(5.0)
+        self.kill()
+
+    # ------------------------------------------------------------ units
+    def run_unit(self, check_id: str, dtype: str, *, seed: int, examples: int, shrink: bool,
+                 timeout: float, on_record) -> Outcome:
+        """Run one unit; `on_record(dict)` is called for each record as it arrives."""
+        received = 0
+        try:
+            self.conn.send(("unit", check_id, dtype, seed, examples, shrink))
+        except (OSError, ValueError, AttributeError):
+            return Outcome("died", 0, f"its process was gone ({self._exit()})")
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.kill()
+                return Outcome("timeout", received)
+            try:
+                if not self.conn.poll(min(remaining, 0.5)):
+                    continue
+                msg = self.conn.recv()
+            except (EOFError, OSError, AttributeError):
+                return Outcome("died", received, f"its process died ({self._exit()})")
+            if msg[0] == "record":
+                received += 1
+                on_record(msg[1])
+            elif msg[0] == "done":
+                return Outcome("done", received)
+
+    def execute(self, check_id: str, dtype: str, *, seed: int, examples: int, shrink: bool,
+                timeout: float, on_record=None) -> list[dict]:
+        """One unit's records, whatever the backend does: a process that is gone is
+        started again first; a timeout or a death becomes an error record that says how
+        many cases had finished (their records are kept)."""
+        records: list[dict] = []
+
+        def keep(rec: dict) -> None:
+            records.append(rec)
+            if on_record is not None:
+                on_record(rec)
+
+        name = (self.entry or {}).get("name", self.requested)
+        base = dict(backend=name, check=check_id, claim=check_id.split(".")[0], op="-",
+                    dtype=dtype, seed=seed)
+        t0 = time.perf_counter()
+        if not self.alive and not self.restart(timeout):
+            keep(Record(**base, case="restart", status="error",
+                        message=f"the backend could not be started again: {self.error}").to_json())
+            return records
+        out = self.run_unit(check_id, dtype, seed=seed, examples=examples, shrink=shrink,
+                            timeout=timeout, on_record=keep)
+        if out.how != "done":
+            why = (f"timed out after {timeout:g} s (the backend hung or is too slow); its "
+                   "process was stopped" if out.how == "timeout" else out.detail)
+            keep(Record(**base, case=out.how, status="error",
+                        duration_s=round(time.perf_counter() - t0, 3),
+                        message=f"{why}; {out.received} case(s) had finished").to_json())
+        return records

@@ -1,0 +1,251 @@
+"""Results are never lost or clobbered, and bad arguments are refused before any work.
+
+Every test drives the `normspec` command as a user would, in a temporary folder of its
+own, and looks at what is on disk afterwards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from normspec.conformance import results
+from test_report import Page, screenshot_pixels
+
+TESTS = Path(__file__).resolve().parent
+NONFINITE = ["InfOutput", "NanOutput", "InfGradient", "NanRunningStats"]
+
+
+def normspec(cwd, *args, timeout=600, **kw):
+    env = dict(os.environ, PYTHONPATH=str(TESTS), HYPOTHESIS_STORAGE_DIRECTORY=str(cwd / ".hyp"))
+    return subprocess.run([sys.executable, "-m", "normspec", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def start(cwd, *args):
+    env = dict(os.environ, PYTHONPATH=str(TESTS), HYPOTHESIS_STORAGE_DIRECTORY=str(cwd / ".hyp"))
+    return subprocess.Popen([sys.executable, "-m", "normspec", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def strict(path: Path):
+    def reject(name):
+        raise AssertionError(f"{path} holds the non-standard JSON constant {name}")
+    return json.loads(path.read_text(encoding="utf-8"), parse_constant=reject)
+
+
+def files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if ".hyp" not in p.parts)
+
+
+# ------------------------------------------------------------------ non-finite values
+@pytest.fixture(scope="module")
+def nonfinite_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("nonfinite")
+    proc = normspec(cwd, "run", *[a for b in NONFINITE for a in ("--backend", f"nonfinite_backends:{b}")],
+                    "--check", "F2.values", "--check", "F3.values", "--check", "F2.grad",
+                    "--check", "F4.running_stats", "--dtype", "float32", "--examples", "2")
+    return cwd, proc
+
+
+def test_a_run_with_inf_and_nan_completes_and_fails(nonfinite_run):
+    cwd, proc = nonfinite_run
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "results: results/" in proc.stdout and "report:  reports/" in proc.stdout
+
+
+def test_non_finite_values_are_strict_json_and_read_back_as_numbers(nonfinite_run):
+    cwd, _ = nonfinite_run
+    (path,) = (cwd / "results").glob("*.json")
+    raw = strict(path)
+    got = {r["backend"]: r["worst"].get("got") for r in raw["records"] if r["status"] == "fail"}
+    assert got == {"InfOutput": "inf", "NanOutput": "nan", "InfGradient": "-inf",
+                   "NanRunningStats": "nan"}
+    fails = [r for r in results.read(path)["records"] if r["status"] == "fail"]
+    assert fails and all(isinstance(r["max_ulp"], float) and math.isinf(r["max_ulp"])
+                         for r in fails)
+    assert not list((cwd / "results").glob("*.jsonl"))  # the finished run's stream is folded in
+
+
+def test_the_report_shows_the_values_and_renders(nonfinite_run, tmp_path):
+    cwd, _ = nonfinite_run
+    (report,) = (cwd / "reports").glob("*.html")
+    page = Page()
+    page.feed(report.read_text(encoding="utf-8"))
+    text = " ".join(page.text)
+    for value in ("got inf", "got nan", "got -inf"):
+        assert value in text
+    assert "error inf ULPs" in text
+    pixels = screenshot_pixels(report, tmp_path)
+    assert pixels.std() > 10
+
+
+def test_encode_never_fails_and_round_trips():
+    import numpy as np
+
+    rec = results.Record(backend="b", check="c", claim="F2", op="layer_norm", dtype="float32",
+                         case="x", status="fail", max_ulp=math.inf, bound_ulp=np.float32(3.5),
+                         max_abs=math.nan, max_rel=-math.inf,
+                         worst={"ulp": np.float64(np.inf), "got": "nan", "index": np.int64(2),
+                                "odd": object()})
+    text = results.dumps(rec.to_json())
+    back = results.decode_record(json.loads(text))
+    assert back["max_ulp"] == math.inf and back["max_rel"] == -math.inf
+    assert math.isnan(back["max_abs"]) and back["bound_ulp"] == 3.5
+    assert back["worst"]["ulp"] == math.inf and back["worst"]["index"] == 2
+    assert back["worst"]["got"] == "nan"  # a printed value stays text
+
+
+# ------------------------------------------------------------------ nothing lost
+def _wait_for_records(cwd: Path, proc, at_least: int, limit_s: float = 180.0) -> Path:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        streams = list((cwd / "results").glob("*.jsonl"))
+        if streams and streams[0].read_text().count('"record"') >= at_least:
+            return streams[0]
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError("the run wrote no records in time")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signalled_run_keeps_its_records_and_reports_them_incomplete(tmp_path, sig):
+    proc = start(tmp_path, "run", "--backend", "nonfinite_backends:Slow", "--check", "F2",
+                 "--check", "F3", "--label", "slow")
+    _wait_for_records(tmp_path, proc, 3)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 15, "stopping took too long"
+    assert proc.returncode == 128 + sig.value
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"stopped by {sig.name}" in lines[0], err
+    assert "partial results: results/" in lines[0]
+    (path,) = (tmp_path / "results").glob("*.json")
+    doc = results.read(path)
+    run = doc["runs"][0]
+    assert run["complete"] is False and run["stopped_by"] == sig.name
+    assert len(doc["records"]) >= 3 and run["not_reached"]
+    assert not list((tmp_path / "results").glob("*.jsonl"))
+    rep = normspec(tmp_path, "report", "-o", "again.html")
+    assert rep.returncode == 0 and "1 incomplete run(s)" in rep.stdout, rep.stderr
+    assert "incomplete run" in (tmp_path / "again.html").read_text(encoding="utf-8")
+
+
+def test_a_killed_run_leaves_a_readable_stream(tmp_path):
+    proc = start(tmp_path, "run", "--backend", "nonfinite_backends:Slow", "--check", "F2",
+                 "--check", "F3", "--label", "slow")
+    stream = _wait_for_records(tmp_path, proc, 3)
+    proc.kill()
+    proc.communicate(timeout=60)
+    doc = results.read(stream)
+    assert doc["runs"][0]["complete"] is False and "killed" in doc["runs"][0]["stopped_by"]
+    assert len(doc["records"]) >= 3
+    rep = normspec(tmp_path, "report")  # the latest run: the stream, as no document exists
+    assert rep.returncode == 0, rep.stderr
+    html = next((tmp_path / "reports").glob("*.html")).read_text(encoding="utf-8")
+    assert "incomplete run" in html and "killed" in html
+
+
+def test_a_small_run_after_a_big_one_leaves_it_intact(tmp_path):
+    big = normspec(tmp_path, "run", "--backend", "numpy", "--check", "F2", "--check", "F3",
+                   "--label", "big", "--quiet")
+    assert big.returncode == 0, big.stderr
+    (big_json,) = (tmp_path / "results").glob("*-big.json")
+    digest = hashlib.sha256(big_json.read_bytes()).hexdigest()
+    small = normspec(tmp_path, "run", "--backend", "numpy", "--check", "F2.values",
+                     "--dtype", "float32", "--label", "big", "--quiet")
+    assert small.returncode == 0, small.stderr
+    runs = sorted((tmp_path / "results").glob("*.json"))
+    assert len(runs) == 2 and len(list((tmp_path / "reports").glob("*.html"))) == 2
+    assert hashlib.sha256(big_json.read_bytes()).hexdigest() == digest
+    latest = (tmp_path / "results" / "latest").read_text().strip()
+    newest = [p for p in runs if p != big_json][0]
+    assert latest == newest.stem
+    assert not (tmp_path / ".hypothesis").exists()
+
+
+def test_json_and_html_go_exactly_where_told(tmp_path):
+    proc = normspec(tmp_path, "run", "--backend", "numpy", "--check", "F2.values", "--dtype",
+                    "float32", "--json", "out/r.json", "--html", "page.html", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert files(tmp_path) == ["out", "out/r.json", "page.html"]
+
+
+# ------------------------------------------------------------------ survival
+def test_a_hung_check_is_stopped_without_noise_and_the_run_goes_on(tmp_path):
+    proc = normspec(tmp_path, "run", "--backend", "broken_backends:Hangs", "--check", "F2.values",
+                    "--check", "F3.values", "--dtype", "float32", "--timeout", "3", "--quiet")
+    assert proc.returncode == 1
+    assert "terminate called" not in proc.stderr and proc.stderr == "", proc.stderr
+    doc = results.read(next((tmp_path / "results").glob("*.json")))
+    by_check = {}
+    for r in doc["records"]:
+        by_check.setdefault(r["check"], set()).add(r["status"])
+    assert "error" in by_check["F2.values"] and by_check["F3.values"] == {"pass"}
+    assert any("timed out after 3 s" in r["message"] for r in doc["records"])
+
+
+def test_a_crashing_backend_costs_that_check_alone(tmp_path):
+    proc = normspec(tmp_path, "run", "--backend", "nonfinite_backends:Segfaults", "--check",
+                    "F2.values", "--check", "F3.values", "--dtype", "float32", "--quiet")
+    assert proc.returncode == 1
+    doc = results.read(next((tmp_path / "results").glob("*.json")))
+    died = [r for r in doc["records"] if r["check"] == "F2.values" and r["status"] == "error"]
+    assert died and "SIGSEGV" in died[0]["message"]
+    assert {r["status"] for r in doc["records"] if r["check"] == "F3.values"} == {"pass"}
+
+
+# ------------------------------------------------------------------ bad arguments
+BAD_RUN = [
+    (["--seed", "-1"], "'-1'"), (["--seed", "x"], "'x'"), (["--examples", "0"], "'0'"),
+    (["--examples", "-3"], "'-3'"), (["--timeout", "0"], "'0'"), (["--timeout", "nan"], "'nan'"),
+    (["--jobs", "0"], "'0'"), (["--dtype", "float8"], "'float8'"),
+    (["--check", "NOPE"], "'NOPE'"), (["--backend", "nosuch"], "'nosuch'"),
+    (["--backend", "nosuch_module:make"], "'nosuch_module:make'"),
+    (["--backend", "json:loads"], "'json:loads'"), (["--label", ""], "label"),
+    (["--json", "/proc/normspec/r.json"], "/proc/normspec/r.json"),
+]
+
+
+@pytest.mark.parametrize("args,names", BAD_RUN, ids=[" ".join(a) for a, _ in BAD_RUN])
+def test_a_bad_run_argument_is_refused_before_any_work(tmp_path, args, names):
+    proc = normspec(tmp_path, "run", "--backend", "numpy", "--check", "F2.values", *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0], proc.stderr
+    assert proc.stdout == "" and files(tmp_path) == []
+
+
+BAD_REPORT = {
+    "truncated.json": '{"schema": "normspec-results", "version": 2, "runs": [',
+    "not-json.json": "hello",
+    "wrong-schema.json": '{"schema": "other", "version": 2}',
+    "no-records.json": '{"schema": "normspec-results", "version": 2, "runs": [], "backends": []}',
+    "bad-record.json": '{"schema": "normspec-results", "version": 2, "runs": [], "backends": [],'
+                       ' "records": [{"backend": "x"}]}',
+    "nan-token.json": '{"schema": "normspec-results", "version": 2, "runs": [], "backends": [],'
+                      ' "records": [], "x": NaN}',
+    "future.json": '{"schema": "normspec-results", "version": 99}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_REPORT) + ["missing.json", "(latest)"])
+def test_a_bad_report_input_is_refused_without_output(tmp_path, name):
+    if name in BAD_REPORT:
+        (tmp_path / name).write_text(BAD_REPORT[name], encoding="utf-8")
+    before = files(tmp_path)
+    proc = normspec(tmp_path, "report", *([] if name == "(latest)" else [name]))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and (name in lines[0] or "latest" in lines[0]), proc.stderr
+    assert files(tmp_path) == before
