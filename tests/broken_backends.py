@@ -216,6 +216,13 @@ class QkWrongScale(NumpyBackend):
         return super().qk_norm_scores(q, k, q_weight, k_weight, eps, 1.0)
 
 
+class QkIgnoresScale(NumpyBackend):
+    """Ignores the scale it is given and uses 1/sqrt(d_k), the usual one, instead."""
+
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        return super().qk_norm_scores(q, k, q_weight, k_weight, eps, 1.0 / np.sqrt(q.shape[-1]))
+
+
 class QkNoNorm(NumpyBackend):
     """Plain q . k / sqrt(d_k): no QK-norm, so the scores grow with the projections."""
 
@@ -235,6 +242,13 @@ class SoftcapClips(NumpyBackend):
 
     def softcap(self, scores, cap):
         return np.clip(scores, -cap, cap).astype(scores.dtype)
+
+
+class SoftcapIgnoresCap(NumpyBackend):
+    """Ignores the cap it is given and uses 30, a common one, instead."""
+
+    def softcap(self, scores, cap):
+        return super().softcap(scores, 30.0)
 
 
 # ---------------------------------------------------------------- BatchNorm defects
