@@ -46,6 +46,20 @@ class RmsSubtractsMean(NumpyBackend):
         return super().rms_norm(centred.astype(x.dtype), normalized_shape, weight, eps, grad_output)
 
 
+class LastAxisOnly(NumpyBackend):
+    """Ignores normalized_shape: normalizes over the last axis alone."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        if len(normalized_shape) == 1:
+            return super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        d, shape = x.shape[-1], tuple(normalized_shape)
+        w = None if weight is None else np.broadcast_to(weight, shape)
+        b = None if bias is None else np.broadcast_to(bias, shape)
+        y = super().layer_norm(x, (d,), None, None, eps).output
+        y = y * w if w is not None else y
+        return Result((y + b if b is not None else y).astype(x.dtype))
+
+
 class HalfAccumulation(NumpyBackend):
     """Accumulates squares in the input's own float16: overflows for rows around 1000."""
 

@@ -71,6 +71,8 @@ DEFECTS = {
     "a QK-norm that ignores scale (always 1/sqrt(d_k))": (bb.QkIgnoresScale, "F6.values",
                                                           "float32"),
     "a softcap that ignores cap (always 30)": (bb.SoftcapIgnoresCap, "F7.softcap", "float32"),
+    "a LayerNorm that ignores normalized_shape (last axis only)": (bb.LastAxisOnly, "F2.values",
+                                                                   "float32"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}

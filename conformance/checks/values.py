@@ -1,7 +1,8 @@
 """Values: each op's forward output against the oracle (F1, F2, F3, F5, F6), on
 Hypothesis-drawn shapes (1-3 normalized axes, sizes that are not powers of two, d = 1)
-and values, plus fixed cases: a row longer than 65536, d = 1, and QK scales other than
-1/sqrt(d_k) (the scale is a parameter, not something the backend may compute itself)."""
+and values, plus fixed cases: a row longer than 65536, two normalized axes, d = 1, and
+QK scales other than 1/sqrt(d_k) (the scale is a parameter, not something the backend may
+compute itself)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def layer_norm_values(ctx):
                         normalized_shape=(LONG_ROW,),
                         weight=ArraySpec((LONG_ROW,), ctx.seed + 1, 1.0, 0.5),
                         bias=ArraySpec((LONG_ROW,), ctx.seed + 2, 0.0, 0.5))
+    with ctx.case("normalized_shape (3, 5): two axes, not the last one alone"):
+        layer_norm_case(ctx, x=ArraySpec((4, 3, 5), ctx.seed, 1.0, 2.0), normalized_shape=(3, 5),
+                        weight=ArraySpec((3, 5), ctx.seed + 1, 1.0, 0.5),
+                        bias=ArraySpec((3, 5), ctx.seed + 2, 0.0, 0.5))
     with ctx.case("d = 1 (output is beta)"):
         layer_norm_case(ctx, x=ArraySpec((4, 1), ctx.seed, 0.0, 3.0), normalized_shape=(1,),
                         weight=ArraySpec((1,), ctx.seed + 1, 1.0, 0.5),
@@ -42,6 +47,9 @@ def rms_norm_values(ctx):
         rms_norm_case(ctx, x=ArraySpec((2, LONG_ROW), ctx.seed, 3.0, 2.0),
                       normalized_shape=(LONG_ROW,),
                       weight=ArraySpec((LONG_ROW,), ctx.seed + 1, 1.0, 0.5))
+    with ctx.case("normalized_shape (3, 5): two axes, not the last one alone"):
+        rms_norm_case(ctx, x=ArraySpec((4, 3, 5), ctx.seed, 1.0, 2.0), normalized_shape=(3, 5),
+                      weight=ArraySpec((3, 5), ctx.seed + 1, 1.0, 0.5))
     with ctx.case("d = 1 (output is sign(x) * gamma)"):
         rms_norm_case(ctx, x=ArraySpec((4, 1), ctx.seed, 0.0, 3.0), normalized_shape=(1,),
                       weight=ArraySpec((1,), ctx.seed + 1, 1.0, 0.5))
