@@ -84,6 +84,10 @@ def qk_pairs(draw, max_head_dim: int = 256, max_magnitude: float = 1e6):
 
 epsilons = st.sampled_from([1e-6, 1e-5, 1e-2])
 
+#: The QK score scale: None is the usual 1/sqrt(d_k); the others are scales a model may
+#: pass instead (no scaling, a temperature), which the backend must use as given.
+qk_scales = st.sampled_from([None, 1.0, 0.1, 2.0])
+
 
 @st.composite
 def layer_norm_cases(draw, *, with_grad=False, with_bias=True, max_size=4096):

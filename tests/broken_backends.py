@@ -46,6 +46,20 @@ class RmsSubtractsMean(NumpyBackend):
         return super().rms_norm(centred.astype(x.dtype), normalized_shape, weight, eps, grad_output)
 
 
+class LastAxisOnly(NumpyBackend):
+    """Ignores normalized_shape: normalizes over the last axis alone."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        if len(normalized_shape) == 1:
+            return super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        d, shape = x.shape[-1], tuple(normalized_shape)
+        w = None if weight is None else np.broadcast_to(weight, shape)
+        b = None if bias is None else np.broadcast_to(bias, shape)
+        y = super().layer_norm(x, (d,), None, None, eps).output
+        y = y * w if w is not None else y
+        return Result((y + b if b is not None else y).astype(x.dtype))
+
+
 class HalfAccumulation(NumpyBackend):
     """Accumulates squares in the input's own float16: overflows for rows around 1000."""
 
@@ -216,6 +230,13 @@ class QkWrongScale(NumpyBackend):
         return super().qk_norm_scores(q, k, q_weight, k_weight, eps, 1.0)
 
 
+class QkIgnoresScale(NumpyBackend):
+    """Ignores the scale it is given and uses 1/sqrt(d_k), the usual one, instead."""
+
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        return super().qk_norm_scores(q, k, q_weight, k_weight, eps, 1.0 / np.sqrt(q.shape[-1]))
+
+
 class QkNoNorm(NumpyBackend):
     """Plain q . k / sqrt(d_k): no QK-norm, so the scores grow with the projections."""
 
@@ -235,6 +256,13 @@ class SoftcapClips(NumpyBackend):
 
     def softcap(self, scores, cap):
         return np.clip(scores, -cap, cap).astype(scores.dtype)
+
+
+class SoftcapIgnoresCap(NumpyBackend):
+    """Ignores the cap it is given and uses 30, a common one, instead."""
+
+    def softcap(self, scores, cap):
+        return super().softcap(scores, 30.0)
 
 
 # ---------------------------------------------------------------- BatchNorm defects

@@ -54,7 +54,8 @@ CATCHES = {
     "protocol.eps_zero": (bb.DeclaresRefusalButAccepts, "float32"),
 }
 
-# the list of defects, each with a check that catches it
+# the list of defects, each with a check that catches it; and a backend that
+# ignores a parameter, for each parameter docs/coverage.md shows a check varying
 DEFECTS = {
     "variance as E[x^2] - E[x]^2": (bb.NaiveVariance, "B1.layer_norm_shift", "float32"),
     "eps outside the sqrt": (bb.EpsOutsideSqrt, "B2.layer_norm_scale", "float32"),
@@ -67,6 +68,11 @@ DEFECTS = {
     "a kernel that drops the tail of rows": (bb.DropsTail, "F2.values", "float32"),
     "an adapter that writes into its input": (bb.WritesInput, "protocol.shape_dtype_inputs",
                                               "float32"),
+    "a QK-norm that ignores scale (always 1/sqrt(d_k))": (bb.QkIgnoresScale, "F6.values",
+                                                          "float32"),
+    "a softcap that ignores cap (always 30)": (bb.SoftcapIgnoresCap, "F7.softcap", "float32"),
+    "a LayerNorm that ignores normalized_shape (last axis only)": (bb.LastAxisOnly, "F2.values",
+                                                                   "float32"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}

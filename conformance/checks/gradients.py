@@ -1,9 +1,10 @@
 """Gradients: every VJP a backend returns (dL/dx, dL/dgamma, dL/dbeta) against the
-oracle's closed forms (F1, F2, F3)."""
+oracle's closed forms (F1, F2, F3), BatchNorm with and without affine parameters."""
 
 from __future__ import annotations
 
 from .. import strategies as ns
+from ..cases import ArraySpec
 from ..ops import BatchNormDriver, layer_norm_case, rms_norm_case
 from . import check
 
@@ -35,3 +36,8 @@ def batch_norm_grads(ctx):
         return driver.measure
 
     ctx.explore("drawn shapes, values and upstream gradients", ns.batch_norm_inputs(), body)
+    with ctx.case("affine=False: no gamma or beta, dL/dx alone") as measure:
+        driver = BatchNormDriver(ctx, 3, affine=False, compare_stats=False)
+        driver.step("x", ArraySpec((4, 3, 5), ctx.seed, 1.0, 2.0), mode="train",
+                    grad=ArraySpec((4, 3, 5), ctx.seed + 1, 0.0, 1.0))
+        measure.absorb(driver.measure)

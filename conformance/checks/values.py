@@ -1,6 +1,8 @@
 """Values: each op's forward output against the oracle (F1, F2, F3, F5, F6), on
 Hypothesis-drawn shapes (1-3 normalized axes, sizes that are not powers of two, d = 1)
-and values, plus fixed cases: a row longer than 65536, and d = 1."""
+and values, plus fixed cases: a row longer than 65536, two normalized axes, d = 1, and
+QK scales other than 1/sqrt(d_k) (the scale is a parameter, not something the backend may
+compute itself)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from ..ops import BatchNormDriver, layer_norm_case, qk_scores_case, rms_norm_cas
 from . import check
 
 LONG_ROW = 70_003  # > 65536 and odd: exercises tails and 16-bit index overflow
+#: Scales other than 1/sqrt(d_k): none at all (a temperature folded elsewhere) and a
+#: learned temperature below it.
+QK_SCALES = (1.0, 0.1)
 
 
 @check("F2.values", title="LayerNorm forward equals the oracle", ops=("layer_norm",))
@@ -24,6 +29,10 @@ def layer_norm_values(ctx):
                         normalized_shape=(LONG_ROW,),
                         weight=ArraySpec((LONG_ROW,), ctx.seed + 1, 1.0, 0.5),
                         bias=ArraySpec((LONG_ROW,), ctx.seed + 2, 0.0, 0.5))
+    with ctx.case("normalized_shape (3, 5): two axes, not the last one alone"):
+        layer_norm_case(ctx, x=ArraySpec((4, 3, 5), ctx.seed, 1.0, 2.0), normalized_shape=(3, 5),
+                        weight=ArraySpec((3, 5), ctx.seed + 1, 1.0, 0.5),
+                        bias=ArraySpec((3, 5), ctx.seed + 2, 0.0, 0.5))
     with ctx.case("d = 1 (output is beta)"):
         layer_norm_case(ctx, x=ArraySpec((4, 1), ctx.seed, 0.0, 3.0), normalized_shape=(1,),
                         weight=ArraySpec((1,), ctx.seed + 1, 1.0, 0.5),
@@ -38,6 +47,9 @@ def rms_norm_values(ctx):
         rms_norm_case(ctx, x=ArraySpec((2, LONG_ROW), ctx.seed, 3.0, 2.0),
                       normalized_shape=(LONG_ROW,),
                       weight=ArraySpec((LONG_ROW,), ctx.seed + 1, 1.0, 0.5))
+    with ctx.case("normalized_shape (3, 5): two axes, not the last one alone"):
+        rms_norm_case(ctx, x=ArraySpec((4, 3, 5), ctx.seed, 1.0, 2.0), normalized_shape=(3, 5),
+                      weight=ArraySpec((3, 5), ctx.seed + 1, 1.0, 0.5))
     with ctx.case("d = 1 (output is sign(x) * gamma)"):
         rms_norm_case(ctx, x=ArraySpec((4, 1), ctx.seed, 0.0, 3.0), normalized_shape=(1,),
                       weight=ArraySpec((1,), ctx.seed + 1, 1.0, 0.5))
@@ -85,8 +97,14 @@ def qk_values(ctx):
         gains = draw(st.booleans(), label="learned gains")
         qw = ArraySpec((d,), draw(ns.seeds, label="q gain seed"), 1.0, 0.5) if gains else None
         kw = ArraySpec((d,), draw(ns.seeds, label="k gain seed"), 1.0, 0.5) if gains else None
-        return q, k, qw, kw, draw(ns.epsilons, label="eps")
+        return q, k, qw, kw, draw(ns.epsilons, label="eps"), draw(ns.qk_scales, label="scale")
 
-    ctx.explore("drawn q, k and gains", cases(),
+    ctx.explore("drawn q, k, gains and scale", cases(),
                 lambda c: qk_scores_case(ctx, q=c[0], k=c[1], q_weight=c[2], k_weight=c[3],
-                                         eps=c[4])[0])
+                                         eps=c[4], scale=c[5])[0])
+    # the scale is the caller's: a backend that computes 1/sqrt(d_k) itself must fail here
+    for scale in QK_SCALES:
+        with ctx.case(f"scale {scale!r} given, not 1/sqrt(d_k) = 0.125 (d_k = 64)") as measure:
+            measure.absorb(qk_scores_case(ctx, q=ArraySpec((2, 3, 64), ctx.seed, 0.0, 1.0),
+                                          k=ArraySpec((2, 4, 64), ctx.seed + 1, 0.0, 1.0),
+                                          scale=scale)[0])
