@@ -74,8 +74,8 @@ def bench_one(loaded, op, dtype, shape, pass_, repeat, copy_cache) -> dict:
     rec = {"backend": loaded.name, "op": op, "dtype": dtype, "shape": list(shape),
            "pass": pass_, "ms": None, "gbps": None, "copy_gbps": None, "of_copy": None,
            "vs_torch": None, "timed": "", "error": ""}
-    if op not in backend.capabilities.ops or dtype not in backend.capabilities.dtypes or \
-            (pass_ != "forward" and op not in backend.capabilities.gradients):
+    caps = backend.capabilities
+    if not caps.supports(op, dtype) or (pass_ != "forward" and not caps.has_gradient(op, dtype)):
         rec["error"] = "unsupported (capabilities)"
         return rec
     skip = getattr(backend, "benchmark_skip_reason", None)

@@ -50,7 +50,11 @@ def cmd_backends(args) -> int:
             caps, conv = e["capabilities"], e["conventions"]
             print(f"  ops:         {', '.join(caps.get('ops', []))}")
             print(f"  dtypes:      {', '.join(caps.get('dtypes', []))}")
+            for op, dts in caps.get("op_dtypes", {}).items():
+                print(f"    {op}: {', '.join(dts)}")
             print(f"  gradients:   {', '.join(caps.get('gradients', [])) or '-'}")
+            for op, dts in caps.get("gradient_dtypes", {}).items():
+                print(f"    {op}: {', '.join(dts)}")
             print(f"  no-grad mode: {caps.get('no_grad_mode')}, momentum=None: "
                   f"{caps.get('cumulative_momentum')}, track_running_stats=False: "
                   f"{caps.get('untracked_stats')}")

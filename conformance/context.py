@@ -111,6 +111,28 @@ class Context:
                     repro=self.repro())
         return out
 
+    def require(self, op: str, *, gradient: bool = False) -> None:
+        """Raise Unsupported unless the backend offers `op` (and its gradient) in this
+        dtype: the case is recorded `unsupported`, never skipped silently."""
+        caps = self.backend.capabilities
+        if not caps.supports(op, self.dtype_name):
+            raise Unsupported(f"capabilities list no {op} in {self.dtype_name}")
+        if gradient and not caps.has_gradient(op, self.dtype_name):
+            raise Unsupported(f"capabilities list no gradient of {op} in {self.dtype_name}")
+
+    def has_gradient(self, op: str) -> bool:
+        return self.backend.capabilities.has_gradient(op, self.dtype_name)
+
+    def raises(self, code: str, fn, *args) -> str | None:
+        """Call the backend through the same guard as `call` where raising is the
+        finding: the exception's text, or None if it returned. NotImplementedError is
+        still `unsupported`, and inputs must still be left alone."""
+        try:
+            self.call(code, fn, *args, refusable=True)
+        except Refused as exc:
+            return str(exc)
+        return None
+
     # ---------------------------------------------------------------- cases
     @contextlib.contextmanager
     def case(self, name: str, *, op: str | None = None):

@@ -19,17 +19,19 @@ from .results import Record
 
 
 def why_unsupported(check: Check, caps: Capabilities, dtype: str) -> str | None:
-    """The capability a backend lacks for this check and dtype, or None."""
-    missing = [op for op in check.ops if op not in caps.ops]
-    if missing:
-        return f"capabilities do not list {', '.join(missing)}"
-    if dtype not in caps.dtypes:
-        return f"capabilities do not list dtype {dtype}"
+    """The capability a backend lacks for this check and dtype, or None. A check that
+    drives several ops runs when the backend has any of them in this dtype (the cases of
+    the others are recorded unsupported one by one); a check of no particular op (the
+    protocol's) when any op runs in this dtype."""
+    ops = check.ops or tuple(caps.ops)
+    if not any(op in caps.ops for op in ops):
+        return f"capabilities do not list {', '.join(ops) or 'any op'}"
+    if not any(caps.supports(op, dtype) for op in ops):
+        return f"capabilities list no {'/'.join(o for o in ops if o in caps.ops)} in {dtype}"
     for need in check.needs:
         if need == "gradients":
-            lacking = [op for op in check.ops if op not in caps.gradients]
-            if lacking:
-                return f"capabilities list no gradients for {', '.join(lacking)}"
+            if not any(caps.has_gradient(op, dtype) for op in ops):
+                return f"capabilities list no gradients of {'/'.join(ops)} in {dtype}"
         elif not getattr(caps, need, False):
             return f"capabilities say {need} = False"
     return None

@@ -21,6 +21,8 @@ import warnings
 import numpy as np
 
 from .protocol import (
+    DTYPES,
+    OPS,
     Backend,
     BackendUnavailable,
     BatchNormLayer,
@@ -52,7 +54,9 @@ def _np(a):
 
 class FlaxBackend(Backend):
     name = "jax"
-    capabilities = Capabilities(no_grad_mode=False, cumulative_momentum=False)
+    capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
+                                gradients={"layer_norm", "rms_norm", "batch_norm"},
+                                untracked_stats=True)
     conventions = Conventions(
         default_eps={"layer_norm": 1e-6, "rms_norm": 1e-6, "batch_norm": 1e-5},
         native_momentum="momentum=0.99 weights the old running value (1 - PyTorch's)",

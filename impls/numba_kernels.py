@@ -21,6 +21,7 @@ import numpy as np
 
 from ._running import RunningStats, RunningStatsLayer
 from .protocol import (
+    DTYPES,
     Backend,
     BackendUnavailable,
     Capabilities,
@@ -317,8 +318,9 @@ def _chunks(rows):
 class NumbaBackend(Backend):
     name = "numba"
     capabilities = Capabilities(
-        ops=frozenset({"layer_norm", "rms_norm", "qk_norm_scores", "batch_norm"}),
-        gradients=frozenset({"layer_norm", "rms_norm", "batch_norm"}), no_grad_mode=False)
+        ops={"layer_norm", "rms_norm", "qk_norm_scores", "batch_norm"}, dtypes=DTYPES,
+        gradients={"layer_norm", "rms_norm", "batch_norm"}, cumulative_momentum=True,
+        untracked_stats=True)
     conventions = Conventions(
         default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6, "batch_norm": 1e-5},
         half_compute_dtype="float32 (statistics accumulated in float64)")

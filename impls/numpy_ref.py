@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from ._running import RunningStats, RunningStatsLayer
-from .protocol import Backend, Capabilities, Conventions, Result
+from .protocol import DTYPES, OPS, Backend, Capabilities, Conventions, Result
 
 HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
@@ -34,7 +34,9 @@ def _axes(x, normalized_shape):
 class NumpyBackend(Backend):
     name = "numpy"
     version = np.__version__
-    capabilities = Capabilities(no_grad_mode=False)
+    capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
+                                gradients={"layer_norm", "rms_norm", "batch_norm"},
+                                cumulative_momentum=True, untracked_stats=True)
     conventions = Conventions(
         default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6, "batch_norm": 1e-5},
         native_momentum="weight of the new batch (PyTorch's meaning)",

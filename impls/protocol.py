@@ -7,6 +7,11 @@ boundary as NumPy arrays in the dtype under test (bfloat16 as `ml_dtypes.bfloat1
 devices and framework dtypes are the adapter's business. Subclass `Backend` for the
 defaults, or write the attributes yourself.
 
+Raising NotImplementedError from an op or a layer method means "not offered for these
+arguments" (a dtype the kernel lacks, say): the record is `unsupported`, never a fail,
+in every check. Any other exception is an `error`, or `refused` where the backend's
+conventions declare that refusal (eps = 0).
+
 Parameter conventions are the spec's (PyTorch's): `momentum` weights the *new* batch,
 `momentum=None` is a cumulative average, `eps` sits inside the square root. An adapter
 translates these into its framework's terms and nothing else: it never adjusts outputs
@@ -15,7 +20,10 @@ or statistics to agree with the spec.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,27 +46,73 @@ class Result(NamedTuple):
     grad_bias: np.ndarray | None = None
 
 
+def _names(values, known: tuple[str, ...], what: str) -> frozenset[str]:
+    if isinstance(values, str):
+        raise TypeError(f"{what} takes a set of names, got the string {values!r}")
+    names = frozenset(values)
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise ValueError(f"{what} names unknown {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(known)})")
+    return names
+
+
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend implements. Anything outside is reported as unsupported.
+    """What a backend implements. Anything outside is reported as `unsupported`, and
+    the defaults claim nothing: a backend lists what it offers.
 
-    ops: subset of OPS. dtypes: subset of DTYPES. gradients: ops whose VJPs it returns.
+    ops: subset of OPS. dtypes: the dtypes of every op (subset of DTYPES). gradients: ops
+    whose VJPs it returns (in the op's dtypes).
+    op_dtypes: per op, dtypes that replace `dtypes` for that op, e.g.
+        {"layer_norm": {"float32", "bfloat16"}} for a runtime with bfloat16 LayerNorm only.
+    gradient_dtypes: per op, the dtypes its gradients come in, where fewer than the op's.
     no_grad_mode: BatchNorm has a forward under the framework's no-grad switch (B6).
     cumulative_momentum: BatchNorm accepts momentum=None. untracked_stats: BatchNorm
     accepts track_running_stats=False.
+    Sets may be given as any iterable of names; unknown names raise at once.
     """
 
-    ops: frozenset[str] = frozenset(OPS)
-    dtypes: frozenset[str] = frozenset(DTYPES)
-    gradients: frozenset[str] = frozenset({"layer_norm", "rms_norm", "batch_norm"})
+    ops: frozenset[str] = frozenset()
+    dtypes: frozenset[str] = frozenset()
+    gradients: frozenset[str] = frozenset()
+    op_dtypes: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    gradient_dtypes: Mapping[str, frozenset[str]] = field(default_factory=dict)
     no_grad_mode: bool = False
-    cumulative_momentum: bool = True
-    untracked_stats: bool = True
+    cumulative_momentum: bool = False
+    untracked_stats: bool = False
+
+    def __post_init__(self):
+        fix = partial(object.__setattr__, self)
+        fix("ops", _names(self.ops, OPS, "capabilities.ops"))
+        fix("dtypes", _names(self.dtypes, DTYPES, "capabilities.dtypes"))
+        fix("gradients", _names(self.gradients, OPS, "capabilities.gradients"))
+        for key in ("op_dtypes", "gradient_dtypes"):
+            table = dict(getattr(self, key))
+            _names(table, OPS, f"capabilities.{key}")
+            fix(key, MappingProxyType({op: _names(v, DTYPES, f"capabilities.{key}[{op!r}]")
+                                       for op, v in table.items()}))
+
+    def dtypes_of(self, op: str) -> frozenset[str]:
+        """The dtypes `op` runs in (none if the backend lacks the op)."""
+        if op not in self.ops:
+            return frozenset()
+        return self.op_dtypes.get(op, self.dtypes)
+
+    def supports(self, op: str, dtype: str) -> bool:
+        return dtype in self.dtypes_of(op)
+
+    def has_gradient(self, op: str, dtype: str) -> bool:
+        return (op in self.gradients and self.supports(op, dtype)
+                and dtype in self.gradient_dtypes.get(op, self.dtypes_of(op)))
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "ops": sorted(self.ops), "dtypes": sorted(self.dtypes),
-            "gradients": sorted(self.gradients), "no_grad_mode": self.no_grad_mode,
+            "gradients": sorted(self.gradients),
+            "op_dtypes": {op: sorted(v) for op, v in self.op_dtypes.items()},
+            "gradient_dtypes": {op: sorted(v) for op, v in self.gradient_dtypes.items()},
+            "no_grad_mode": self.no_grad_mode,
             "cumulative_momentum": self.cumulative_momentum,
             "untracked_stats": self.untracked_stats,
         }
@@ -128,7 +182,7 @@ class Backend:
 
     name: str = "unnamed"
     version: str = "unknown"
-    capabilities: Capabilities = Capabilities(ops=frozenset(), gradients=frozenset())
+    capabilities: Capabilities = Capabilities()
     conventions: Conventions = Conventions()
     #: Known deviations from the spec, as data: [{"check": id, "reason": text}, ...].
     #: Built-in backends keep theirs in impls/deviations/<name>.toml instead.

@@ -46,7 +46,9 @@ def _grads(module, x_t, y, grad_output, *names):
 
 class TorchBackend(Backend):
     name = "torch"
-    capabilities = Capabilities(ops=frozenset(OPS), dtypes=frozenset(DTYPES), no_grad_mode=True)
+    capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
+                                gradients={"layer_norm", "rms_norm", "batch_norm"},
+                                no_grad_mode=True, cumulative_momentum=True, untracked_stats=True)
     conventions = Conventions(
         default_eps={"layer_norm": 1e-5, "rms_norm": "None: torch.finfo(x.dtype).eps",
                      "batch_norm": 1e-5},

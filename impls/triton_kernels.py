@@ -17,6 +17,7 @@ import numpy as np
 from ._running import RunningStats, RunningStatsLayer
 from ._torch_arrays import to_numpy, to_torch
 from .protocol import (
+    DTYPES,
     Backend,
     BackendUnavailable,
     Capabilities,
@@ -177,8 +178,8 @@ def _block(n):
 class TritonBackend(Backend):
     name = "triton"
     capabilities = Capabilities(
-        ops=frozenset({"layer_norm", "rms_norm", "qk_norm_scores", "batch_norm"}),
-        gradients=frozenset({"layer_norm", "rms_norm"}), no_grad_mode=False)
+        ops={"layer_norm", "rms_norm", "qk_norm_scores", "batch_norm"}, dtypes=DTYPES,
+        gradients={"layer_norm", "rms_norm"}, cumulative_momentum=True, untracked_stats=True)
     conventions = Conventions(
         default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6, "batch_norm": 1e-5},
         half_compute_dtype="float32 (float64 inputs in float64)")

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import normspec.spec as spec
 import numpy as np
-from normspec.impls.protocol import Backend, BatchNormLayer, Capabilities, Conventions, Result
+from normspec.impls.protocol import (
+    DTYPES,
+    OPS,
+    Backend,
+    BatchNormLayer,
+    Capabilities,
+    Conventions,
+    Result,
+)
 
 
 def _r(a, dtype):
@@ -16,7 +24,9 @@ def _r(a, dtype):
 class OracleBackend(Backend):
     name = "oracle"
     version = "float64 oracle, rounded once"
-    capabilities = Capabilities(no_grad_mode=True)
+    capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
+                                gradients={"layer_norm", "rms_norm", "batch_norm"},
+                                no_grad_mode=True, cumulative_momentum=True, untracked_stats=True)
     conventions = Conventions(default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6,
                                            "batch_norm": 1e-5})
 

@@ -168,4 +168,9 @@ def test_readme_example_backend_runs_end_to_end(tmp_path, monkeypatch, capsys):
     assert statuses[("F3.values", "float64")] == "pass"
     assert statuses[("F1.values", "float32")] == "unsupported"
     assert statuses[("F2.values", "float16")] == "unsupported"
+    assert statuses[("F2.values", "bfloat16")] == "pass"
+    # the bfloat16 RMSNorm raises NotImplementedError: unsupported in every check, no fail
+    rms_bf16 = {r["status"] for r in doc["records"] if r["dtype"] == "bfloat16"
+                and r["op"] == "rms_norm"}
+    assert rms_bf16 == {"unsupported"}
     assert "mine" in printed and "conforms" in printed

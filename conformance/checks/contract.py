@@ -16,29 +16,26 @@ from . import check
 @check("protocol.shape_dtype_inputs", title="Every op returns arrays of the input's shape and dtype "
        "and leaves its inputs alone", ops=())
 def shapes(ctx):
-    caps = ctx.backend.capabilities
     x = ArraySpec((2, 3, 10), ctx.seed, 1.0, 2.0)
-    if "layer_norm" in caps.ops:
-        with ctx.case("layer_norm", op="layer_norm") as m:
-            m.absorb(layer_norm_case(ctx, x=x, normalized_shape=(10,), eps=1e-5,
-                                     weight=ArraySpec((10,), 1, 1.0), bias=ArraySpec((10,), 2),
-                                     grad=ArraySpec((2, 3, 10), 3)
-                                     if "layer_norm" in caps.gradients else None))
-    if "rms_norm" in caps.ops:
-        with ctx.case("rms_norm", op="rms_norm") as m:
-            m.absorb(rms_norm_case(ctx, x=x, normalized_shape=(10,), eps=1e-5,
-                                   weight=ArraySpec((10,), 1, 1.0),
-                                   grad=ArraySpec((2, 3, 10), 3)
-                                   if "rms_norm" in caps.gradients else None))
-    if "qk_norm_scores" in caps.ops:
-        with ctx.case("qk_norm_scores", op="qk_norm_scores") as m:
-            m.absorb(qk_scores_case(ctx, q=x, k=ArraySpec((2, 5, 10), 4))[0])
-    if "batch_norm" in caps.ops:
-        with ctx.case("batch_norm", op="batch_norm") as m:
-            driver = BatchNormDriver(ctx, 3)
-            driver.step("x", x, mode="train",
-                        grad=ArraySpec((2, 3, 10), 3) if "batch_norm" in caps.gradients else None)
-            m.absorb(driver.measure)
+    grad = ArraySpec((2, 3, 10), 3)
+    for op in ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm"):
+        if op not in ctx.backend.capabilities.ops:
+            continue
+        with ctx.case(op, op=op) as m:
+            ctx.require(op)
+            g = grad if ctx.has_gradient(op) else None
+            if op == "layer_norm":
+                m.absorb(layer_norm_case(ctx, x=x, normalized_shape=(10,), eps=1e-5, grad=g,
+                                         weight=ArraySpec((10,), 1, 1.0), bias=ArraySpec((10,), 2)))
+            elif op == "rms_norm":
+                m.absorb(rms_norm_case(ctx, x=x, normalized_shape=(10,), eps=1e-5, grad=g,
+                                       weight=ArraySpec((10,), 1, 1.0)))
+            elif op == "qk_norm_scores":
+                m.absorb(qk_scores_case(ctx, q=x, k=ArraySpec((2, 5, 10), 4))[0])
+            else:
+                driver = BatchNormDriver(ctx, 3)
+                driver.step("x", x, mode="train", grad=g)
+                m.absorb(driver.measure)
 
 
 @check("F4.declared_estimator", title="The declared running-variance estimator is the one "
@@ -72,31 +69,29 @@ def momentum(ctx):
 
 @check("protocol.eps_zero", title="eps = 0 is accepted or refused as the backend declares", ops=())
 def eps_zero(ctx):
-    caps, conv = ctx.backend.capabilities, ctx.conventions
-    declared = dict(getattr(conv, "eps_zero", {}) or {})
+    declared = dict(getattr(ctx.conventions, "eps_zero", {}) or {})
     x = Literal(values=((1.0, 3.0, 2.0), (0.5, -1.0, 4.0)))
     calls = {
-        "layer_norm": lambda xa: ctx.backend.layer_norm(xa, (3,), None, None, 0.0),
-        "rms_norm": lambda xa: ctx.backend.rms_norm(xa, (3,), None, 0.0),
-        "qk_norm_scores": lambda xa: ctx.backend.qk_norm_scores(xa[None], xa[None], None, None,
-                                                                0.0, 1.0),
-        "batch_norm": lambda xa: ctx.backend.batch_norm(3, eps=0.0, momentum=0.1, affine=False,
-                                                        track_running_stats=True,
-                                                        dtype=ctx.dtype).forward(xa),
+        "layer_norm": ("result = backend.layer_norm(x, (3,), None, None, 0.0)",
+                       lambda xa: ctx.backend.layer_norm(xa, (3,), None, None, 0.0)),
+        "rms_norm": ("result = backend.rms_norm(x, (3,), None, 0.0)",
+                     lambda xa: ctx.backend.rms_norm(xa, (3,), None, 0.0)),
+        "qk_norm_scores": ("scores = backend.qk_norm_scores(x[None], x[None], None, None, 0.0, "
+                           "1.0)", lambda xa: ctx.backend.qk_norm_scores(
+                               xa[None], xa[None], None, None, 0.0, 1.0)),
+        "batch_norm": (f"result = backend.batch_norm(3, eps=0.0, momentum=0.1, affine=False, "
+                       f"track_running_stats=True, dtype={ctx.dtype_name!r}).forward(x)",
+                       lambda xa: ctx.backend.batch_norm(
+                           3, eps=0.0, momentum=0.1, affine=False, track_running_stats=True,
+                           dtype=ctx.dtype).forward(xa)),
     }
-    for op, fn in calls.items():
-        if op not in caps.ops:
+    for op, (code, fn) in calls.items():
+        if op not in ctx.backend.capabilities.ops:
             continue
         accepts = bool(declared.get(op, True))
         with ctx.case(f"{op} declared {'accepting' if accepts else 'refusing'} eps = 0", op=op):
-            xa = ctx.use(x=x)
-            code = f"# {op} with eps = 0" + (" (a training forward)" if op == "batch_norm" else "")
-            ctx.calls.append(code)
-            try:
-                fn(xa)
-                raised = None
-            except Exception as exc:  # noqa: BLE001 - whether it raises is the finding
-                raised = f"{type(exc).__name__}: {exc}"
+            ctx.require(op)
+            raised = ctx.raises(code, fn, ctx.use(x=x))
             assert_holds(condition=(raised is None) == accepts,
                          got=f"it raised {raised}" if raised else "it accepted eps = 0",
                          spec_says=("the backend declared it accepts eps = 0" if accepts else

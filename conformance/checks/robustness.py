@@ -23,6 +23,7 @@ def _both(ctx, label, **kw):
         if op not in ctx.backend.capabilities.ops:
             continue
         with ctx.case(f"{op}: {label}", op=op) as measure:
+            ctx.require(op)
             args = dict(kw)
             if op == "rms_norm":
                 args.pop("bias", None)
