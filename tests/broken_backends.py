@@ -319,6 +319,15 @@ class _EvalTrainingGradLayer(NumpyBatchNorm):
         return res._replace(grad_input=gx.astype(self.dtype))
 
 
+class _CountsEvalForwardsLayer(NumpyBatchNorm):
+    """num_batches_tracked counts every forward, eval ones too, not the training ones."""
+
+    def forward(self, x, grad_output=None):
+        if not self.training and self.stats.tracked:
+            self.stats.num_batches_tracked += 1
+        return super().forward(x, grad_output)
+
+
 class _GradsAccumulateLayer(NumpyBatchNorm):
     """Returns gradients summed over every forward so far (a framework's .grad that was
     never zeroed)."""
@@ -390,6 +399,7 @@ UnbiasedForward = _bn_backend(_UnbiasedForwardLayer)
 StatsConstantGrad = _bn_backend(_StatsConstantGradLayer)
 GradsAccumulate = _bn_backend(_GradsAccumulateLayer)
 EvalTrainingGradient = _bn_backend(_EvalTrainingGradLayer)
+CountsEvalForwards = _bn_backend(_CountsEvalForwardsLayer)
 LazyUpdate = _bn_backend(_LazyUpdateLayer)
 CumulativeIgnored = _bn_backend(_CumulativeIgnoredLayer)
 UntrackedEvalUsesInit = _bn_backend(_UntrackedEvalUsesInitLayer)

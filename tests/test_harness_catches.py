@@ -120,6 +120,11 @@ def test_issue_defects_are_caught(defect):
     assert "fail" in statuses
 
 
+def test_num_batches_tracked_is_compared_where_exposed():
+    failed = [r for r in run(bb.CountsEvalForwards(), "F5.matrix", "float32") if r.status == "fail"]
+    assert failed and all("num_batches_tracked" in r.message for r in failed)
+
+
 @pytest.mark.parametrize("broken,expected", [
     (bb.Raises, "error"), (bb.ReturnsNaN, "fail"), (bb.WrongShape, "fail"),
     (bb.WrongDtype, "fail"), (bb.WritesInput, "fail"),
