@@ -11,7 +11,7 @@ import normspec.spec as spec
 import numpy as np
 
 from .assertions import CheckFailure, Measure, assert_conforms, assert_holds
-from .tolerances import bound, centring_kappa
+from .tolerances import bound, centring_kappa, shift_kappa
 
 
 def _f64(a):
@@ -171,9 +171,13 @@ class BatchNormDriver:
     one step's error is judged at a time and rounding does not accumulate."""
 
     def __init__(self, ctx, num_features, *, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, weight=None, bias=None, compare_stats=True):
+                 track_running_stats=True, weight=None, bias=None, compare_stats=True,
+                 defer_stats=False):
         self.ctx, self.eps, self.momentum = ctx, eps, momentum
         self.compare_stats = compare_stats
+        # defer_stats: a running-statistics failure is kept (raise_deferred) instead of
+        # raised, so that it does not hide the comparisons of the steps after it
+        self.defer_stats, self.deferred = defer_stats, []
         self.affine, self.track = affine, track_running_stats
         w, b = ctx.use(weight=weight, bias=bias) if affine else (None, None)
         self.w, self.b = w, b
@@ -204,7 +208,9 @@ class BatchNormDriver:
     def _w64(self):
         return _f64(self.w), _f64(self.b)
 
-    def _scale_and_kappa(self, x64, mean, var):
+    def _scale_and_kappa(self, x64, mean, var, use_batch):
+        """The channel's output scale and the conditioning kappa (tolerances.py): centring
+        by the batch's computed mean, or shifting by the given running mean in eval."""
         axes = (0,) + tuple(range(2, x64.ndim))
         bshape = (1, x64.shape[1]) + (1,) * (x64.ndim - 2)
         w64, b64 = self._w64()
@@ -213,8 +219,10 @@ class BatchNormDriver:
         beta = np.abs(b64).reshape(bshape) if b64 is not None else 0.0
         # as for LayerNorm: the mean's error reaches the output even where x_hat is 0
         scale = np.max(np.maximum(x_hat, 1.0) * gamma + beta, axis=axes, keepdims=True)
-        kappa = 1.0 + np.max(np.abs(x64), axis=axes, keepdims=True) / np.sqrt(
-            var.reshape(bshape) + self.eps)
+        if use_batch:
+            kappa = centring_kappa(x64, axes, self.eps)
+        else:
+            kappa = shift_kappa(mean.reshape(bshape), var.reshape(bshape), self.eps)
         return scale, kappa, axes
 
     def set_mode(self, training: bool):
@@ -257,30 +265,21 @@ class BatchNormDriver:
         else:
             expected = spec.batch_norm_eval(x64, _f64(self.rm), _f64(self.rv), w64, b64, self.eps)
             mean, var, n, rm, rv = _f64(self.rm), _f64(self.rv), 1, None, None
-        scale, kappa, axes = self._scale_and_kappa(x64, mean, var)
+        scale, kappa, axes = self._scale_and_kappa(x64, mean, var, use_batch)
         ctx.calls.append(f"# oracle: spec.batch_norm_{'train' if use_batch else 'eval'}(...)")
         m = Measure()
         if check_output:
             m = assert_conforms(expected=expected, actual=out, dtype=ctx.dtype, scale=scale,
                                 bound=bound("output", ctx.dtype, n, kappa), what=label,
                                 call=code, repro=ctx.repro())
-        if g is not None and use_batch:
-            g64 = _f64(g)
-            gx, gw, gb = spec.batch_norm_train_vjp(x64, g64, w64, b64, self.eps)
-            bshape = (1, x64.shape[1]) + (1,) * (x64.ndim - 2)
-            r = 1.0 / np.sqrt(var.reshape(bshape) + self.eps)
-            x_hat = (x64 - mean.reshape(bshape)) * r
-            h = np.abs(g64 * (w64.reshape(bshape) if w64 is not None else 1.0))
-            m.absorb(assert_conforms(expected=gx, actual=res.grad_input, dtype=ctx.dtype,
-                                     scale=_grad_input_scale(r, h, x_hat, axes, centre=True),
-                                     bound=bound("gradient", ctx.dtype, n, kappa),
-                                     what="batch_norm grad_input", call=code, repro=ctx.repro()))
-            _param_grads(ctx, m, code, "batch_norm", g64, x_hat, axes, gw, gb, res, kappa,
-                         bias_kappa=np.max(kappa))
+        if g is not None:
+            m.absorb(self._compare_grads(code, x64, _f64(g), res, use_batch, mean, var, n, kappa))
         if training and self.track:
             self.steps += 1
             m.absorb(self._compare_stats(rm, rv, x64, n, code))
+            self._compare_count(code)
         elif self.track:
+            self._compare_count(code)
             new_rm, new_rv = self._stats(f"after {mode} forward")
             for nm, before, after in (("running_mean", self.rm, new_rm), ("running_var", self.rv, new_rv)):
                 assert_holds(condition=np.array_equal(before, after, equal_nan=True),
@@ -289,6 +288,44 @@ class BatchNormDriver:
                              call=code, repro=ctx.repro())
         self.measure.absorb(m)
         return out
+
+    def _compare_grads(self, code, x64, g64, res, use_batch, mean, var, n, kappa):
+        """Every gradient against the oracle's VJP: the training one where the batch's
+        statistics normalize (they depend on x), the eval one where the running ones do
+        (constants: dL/dx = gamma g r, no reduction)."""
+        ctx = self.ctx
+        w64, b64 = self._w64()
+        axes = (0,) + tuple(range(2, x64.ndim))
+        bshape = (1, x64.shape[1]) + (1,) * (x64.ndim - 2)
+        r = 1.0 / np.sqrt(var.reshape(bshape) + self.eps)
+        x_hat = (x64 - mean.reshape(bshape)) * r
+        h = np.abs(g64 * (w64.reshape(bshape) if w64 is not None else 1.0))
+        if use_batch:
+            gx, gw, gb = spec.batch_norm_train_vjp(x64, g64, w64, b64, self.eps)
+            scale = _grad_input_scale(r, h, x_hat, axes, centre=True)
+            gx_bound, bias_kappa = bound("gradient", ctx.dtype, n, kappa), np.max(kappa)
+        else:
+            gx, gw, gb = spec.batch_norm_eval_vjp(x64, g64, mean, var, w64, b64, self.eps)
+            # the channel's largest |gamma g r|: the group's scale, as for every quantity
+            scale = r * np.max(h, axis=axes, keepdims=True)
+            # dL/dbeta = sum g whatever the statistics: nothing is centred in it
+            gx_bound, bias_kappa = bound("eval_gradient", ctx.dtype, 1), 1.0
+        m = assert_conforms(expected=gx, actual=res.grad_input, dtype=ctx.dtype, scale=scale,
+                            bound=gx_bound, what="batch_norm grad_input", call=code,
+                            repro=ctx.repro())
+        _param_grads(ctx, m, code, "batch_norm", g64, x_hat, axes, gw, gb, res, kappa,
+                     bias_kappa=bias_kappa)
+        return m
+
+    def _compare_count(self, code):
+        """num_batches_tracked, where the layer exposes one: the training forwards so far."""
+        count = getattr(self.layer, "num_batches_tracked", None)
+        if count is None:
+            return
+        assert_holds(condition=int(count) == self.steps,
+                     got=f"layer.num_batches_tracked = {count}",
+                     spec_says=f"{self.steps}, one per training forward with running "
+                               f"statistics (F4)", call=code, repro=self.ctx.repro())
 
     @property
     def training_flag(self):
@@ -308,7 +345,17 @@ class BatchNormDriver:
         for nm, ref, got, sc in (
                 ("running_mean", rm_ref, self.rm, (1 - a) * np.abs(old_rm) + a * mean_abs),
                 ("running_var", rv_ref, self.rv, (1 - a) * np.abs(old_rv) + a * v_u)):
-            meas.absorb(assert_conforms(expected=ref, actual=got, dtype=got.dtype, scale=sc,
-                                        bound=bound("running_stat", got.dtype, m_count),
-                                        what=f"layer.{nm}", call=code, repro=ctx.repro()))
+            try:
+                meas.absorb(assert_conforms(expected=ref, actual=got, dtype=got.dtype, scale=sc,
+                                            bound=bound("running_stat", got.dtype, m_count),
+                                            what=f"layer.{nm}", call=code, repro=ctx.repro()))
+            except CheckFailure as exc:
+                if not self.defer_stats:
+                    raise
+                self.deferred.append(exc)
         return meas
+
+    def raise_deferred(self):
+        """Raise the first running-statistics failure that defer_stats kept, if any."""
+        if self.deferred:
+            raise self.deferred[0]

@@ -19,7 +19,11 @@ units of T's roundoff u_T:
 accuracy of floating point summation", 1993): every real kernel reduces that way. kappa
 is the conditioning of the op on that input: for centring ops (LayerNorm, BatchNorm)
 1 + mean|x| / sqrt(var + eps), since the mean's rounding error is shifted onto every
-output and divided by the spread; for RMSNorm 1, as sum x^2 has no cancellation.
+output and divided by the spread; for RMSNorm 1, as sum x^2 has no cancellation. BatchNorm
+in eval mode computes no statistics: it shifts by the given running mean, and that shift
+(x - running_mean, or a kernel's folded beta - running_mean gamma r) rounds at
+|running_mean|, so its kappa is 1 + |running_mean| / sqrt(running_var + eps)
+(`shift_kappa`), with n = 1 (no reduction).
 Nothing here is loosened to make a backend pass; where a backend misses a bound, the
 report says so.
 """
@@ -50,6 +54,12 @@ TABLE: dict[str, Tolerance] = {t.quantity: t for t in (
     Tolerance("gradient", 1.0, 4.0,
               "dL/dx. The VJP takes two more reductions (mean(h), mean(h x_hat)) on top of "
               "the forward's two: twice the forward's growth. Scale: the row's r max|h|."),
+    Tolerance("eval_gradient", 1.0, 5.0,
+              "dL/dx of BatchNorm in eval mode with running statistics, gamma g / "
+              "sqrt(running_var + eps): an elementwise product, no reduction (n = 1, kappa "
+              "1). Five roundings in compute precision (running_var + eps, sqrt, the "
+              "reciprocal, g gamma, the product) each add at most one u_c relative to the "
+              "element; scale: the channel's largest |dL/dx|."),
     Tolerance("param_gradient", 1.0, 4.0,
               "dL/dgamma and dL/dbeta are sums over the batch of g x_hat and g: one more "
               "reduction over the rows, scale = the sum of the magnitudes added."),
@@ -96,6 +106,15 @@ def centring_kappa(x64: np.ndarray, axes, eps: float) -> np.ndarray:
     spread = np.sqrt(x64.var(axis=axes, keepdims=True) + eps)
     with np.errstate(divide="ignore", invalid="ignore"):
         k = 1.0 + mean_abs / spread
+    return np.where(np.isfinite(k), k, np.inf)
+
+
+def shift_kappa(shift: np.ndarray, var: np.ndarray, eps: float) -> np.ndarray:
+    """1 + |shift| / sqrt(var + eps): the conditioning of normalizing with given (not
+    computed) statistics, BatchNorm in eval mode: the rounding of the shift by `shift`
+    (x - running_mean, or a folded bias) is divided by the running spread."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = 1.0 + np.abs(shift) / np.sqrt(var + eps)
     return np.where(np.isfinite(k), k, np.inf)
 
 

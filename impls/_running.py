@@ -49,3 +49,8 @@ class RunningStatsLayer(BatchNormLayer):
     @property
     def running_var(self):
         return self.stats.reported()[1]
+
+    @property
+    def num_batches_tracked(self):
+        """Training forwards folded into the statistics (None when none are kept)."""
+        return self.stats.num_batches_tracked if self.stats.tracked else None

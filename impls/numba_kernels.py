@@ -266,7 +266,11 @@ def _kernels():
                     y[i, c, l_] = (np.float64(x[i, c, l_]) - mean[c]) * s * w[c] + b[c]
 
     @jit
-    def bn_bwd(x, w, g, mean, var, eps, dx, dw, db):
+    def bn_bwd(x, w, g, mean, var, eps, dx, dw, db, batch):
+        """dL/dx, dL/dgamma, dL/dbeta per channel. With `batch` the statistics are the
+        batch's, functions of x: dx = r (h - mean(h) - x_hat mean(h x_hat)). Without (eval
+        on running statistics) they are constants and dx = r h, h = g gamma; dL/dgamma and
+        dL/dbeta are sum g x_hat and sum g either way, x_hat from the statistics given."""
         n, ch, length = x.shape
         m = n * length
         for c in prange(ch):
@@ -285,6 +289,11 @@ def _kernels():
                     sgx += gv * xh
             dw[c] = sgx
             db[c] = sg
+            if not batch:
+                for i in range(n):
+                    for l_ in range(length):
+                        dx[i, c, l_] = s * np.float64(g[i, c, l_]) * w[c]
+                continue
             for i in range(n):
                 for l_ in range(length):
                     xh = (np.float64(x[i, c, l_]) - mean[c]) * s
@@ -446,7 +455,8 @@ class NumbaBatchNorm(RunningStatsLayer):
         n, c = x.shape[:2]
         x3 = np.ascontiguousarray(x, dtype=self.ct).reshape(n, c, -1)
         m = n * x3.shape[2]
-        if self.training or not self.stats.tracked:
+        batch = self.training or not self.stats.tracked
+        if batch:
             if m <= 1:
                 raise ValueError(f"Expected more than 1 value per channel when training, "
                                  f"got input of shape {x.shape}")
@@ -464,7 +474,7 @@ class NumbaBatchNorm(RunningStatsLayer):
             return Result(out)
         g3 = np.ascontiguousarray(grad_output, dtype=self.ct).reshape(x3.shape)
         dx, dw, db = np.empty(x3.shape), np.empty(c), np.empty(c)
-        self.k["bn_bwd"](x3, self.w, g3, mean, var, float(self.eps), dx, dw, db)
+        self.k["bn_bwd"](x3, self.w, g3, mean, var, float(self.eps), dx, dw, db, batch)
         gw = dw.astype(self.dtype) if self.affine else None
         gb = db.astype(self.dtype) if self.affine else None
         return Result(out, dx.reshape(x.shape).astype(self.dtype), gw, gb)

@@ -179,6 +179,11 @@ class TorchBatchNorm(BatchNormLayer):
     def running_var(self):
         return to_numpy(self.module.running_var)
 
+    @property
+    def num_batches_tracked(self):
+        count = self.module.num_batches_tracked
+        return None if count is None else int(count)
+
 
 def make_backend() -> TorchBackend:
     return TorchBackend()

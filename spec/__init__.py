@@ -7,6 +7,7 @@ from .attention import qk_norm_scores, rope, softcap, softmax
 from .batch_norm import (
     SingleValuePerChannelError,
     batch_norm_eval,
+    batch_norm_eval_vjp,
     batch_norm_train,
     batch_norm_train_vjp,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "RMS_NORM_DEFAULT_EPS",
     "SingleValuePerChannelError",
     "batch_norm_eval",
+    "batch_norm_eval_vjp",
     "batch_norm_train",
     "batch_norm_train_vjp",
     "layer_norm",

@@ -1,5 +1,5 @@
 """BatchNorm: training forward (F1) with the running-statistics update (F4), eval (F5),
-and the training forward's vector-Jacobian product. Pure: running statistics go in as
+and the vector-Jacobian products of both forwards. Pure: running statistics go in as
 arguments and the new ones come out as return values."""
 
 from __future__ import annotations
@@ -141,6 +141,39 @@ def batch_norm_train_vjp(x, grad_output, weight=None, bias=None, eps=1e-5):
     h = g * weight.reshape(bshape) if weight is not None else g
     grad_x = r * (h - h.mean(axis=axes, keepdims=True)
                   - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
+    grad_weight = (g * x_hat).sum(axis=axes) if weight is not None else None
+    grad_bias = g.sum(axis=axes) if bias is not None else None
+    return grad_x, grad_weight, grad_bias
+
+
+@ieee
+def batch_norm_eval_vjp(x, grad_output, running_mean, running_var, weight=None, bias=None,
+                        eps=1e-5):
+    """Closed-form gradients of the F5 eval forward. Returns (grad_x, grad_weight, grad_bias).
+
+    With running statistics the mean and variance are constants, not functions of x, so
+    the VJP has no reduction over the batch in dL/dx: with r = 1/sqrt(running_var + eps)
+    and x_hat = (x - running_mean) r, dL/dx = gamma g r, dL/dgamma = sum g x_hat,
+    dL/dbeta = sum g (sums over the batch and spatial axes).
+
+    With running_mean = running_var = None (track_running_stats=False) eval normalizes
+    with the batch's statistics (see batch_norm_eval), so its gradient is the training
+    one, batch_norm_train_vjp.
+    """
+    x = as_float64("x", x)
+    g = as_float64("grad_output", grad_output)
+    check_same_shape("grad_output", g, x.shape)
+    weight, bias, running_mean, running_var = _params(x, weight, bias, running_mean, running_var)
+    eps = check_eps(eps)
+    if running_mean is None:
+        return batch_norm_train_vjp(x, g, weight, bias, eps)
+    axes, _, bshape = _channel_layout(x)
+    # r = 1 / sqrt(running_var + eps);  x_hat = (x - running_mean) r
+    r = 1.0 / np.sqrt(running_var.reshape(bshape) + eps)
+    x_hat = (x - running_mean.reshape(bshape)) * r
+    # dL/dx = gamma g r: y is affine in x once the statistics are fixed
+    h = g * weight.reshape(bshape) if weight is not None else g
+    grad_x = h * r
     grad_weight = (g * x_hat).sum(axis=axes) if weight is not None else None
     grad_bias = g.sum(axis=axes) if bias is not None else None
     return grad_x, grad_weight, grad_bias

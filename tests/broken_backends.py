@@ -327,6 +327,35 @@ class _StatsConstantGradLayer(NumpyBatchNorm):
         return res._replace(grad_input=(r * grad_output * w).astype(x.dtype))
 
 
+class _EvalTrainingGradLayer(NumpyBatchNorm):
+    """In eval mode with running statistics, dL/dx by the training formula (as if the
+    statistics were the batch's and depended on x), evaluated at the running statistics:
+    what the numba kernel returned before issue #10."""
+
+    def forward(self, x, grad_output=None):
+        res = super().forward(x, grad_output)
+        if grad_output is None or self.uses_batch_stats():
+            return res
+        ct = self.ct
+        axes, bshape = self._shape(x)
+        r = 1 / np.sqrt(self.stats.var.reshape(bshape) + ct.type(self.eps))
+        x_hat = (x.astype(ct) - self.stats.mean.reshape(bshape)) * r
+        w = self.weight.astype(ct).reshape(bshape) if self.weight is not None else 1
+        h = grad_output.astype(ct) * w
+        gx = r * (h - h.mean(axis=axes, keepdims=True)
+                  - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
+        return res._replace(grad_input=gx.astype(self.dtype))
+
+
+class _CountsEvalForwardsLayer(NumpyBatchNorm):
+    """num_batches_tracked counts every forward, eval ones too, not the training ones."""
+
+    def forward(self, x, grad_output=None):
+        if not self.training and self.stats.tracked:
+            self.stats.num_batches_tracked += 1
+        return super().forward(x, grad_output)
+
+
 class _GradsAccumulateLayer(NumpyBatchNorm):
     """Returns gradients summed over every forward so far (a framework's .grad that was
     never zeroed)."""
@@ -397,6 +426,8 @@ NoSingleValueError = _bn_backend(_NoSingleValueErrorLayer)
 UnbiasedForward = _bn_backend(_UnbiasedForwardLayer)
 StatsConstantGrad = _bn_backend(_StatsConstantGradLayer)
 GradsAccumulate = _bn_backend(_GradsAccumulateLayer)
+EvalTrainingGradient = _bn_backend(_EvalTrainingGradLayer)
+CountsEvalForwards = _bn_backend(_CountsEvalForwardsLayer)
 LazyUpdate = _bn_backend(_LazyUpdateLayer)
 CumulativeIgnored = _bn_backend(_CumulativeIgnoredLayer)
 UntrackedEvalUsesInit = _bn_backend(_UntrackedEvalUsesInitLayer)

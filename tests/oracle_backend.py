@@ -74,6 +74,10 @@ class OracleBatchNorm(BatchNormLayer):
     def running_var(self):
         return _r(self.rv, self.dtype)
 
+    @property
+    def num_batches_tracked(self):
+        return None if self.rm is None else self.t
+
     def forward(self, x, grad_output=None):
         if self.training:
             y, rm, rv = spec.batch_norm_train(x, self.rm, self.rv, self.w, self.b, self.momentum,
@@ -84,7 +88,11 @@ class OracleBatchNorm(BatchNormLayer):
             y = spec.batch_norm_eval(x, self.rm, self.rv, self.w, self.b, self.eps)
         if grad_output is None:
             return Result(_r(y, x.dtype))
-        grads = spec.batch_norm_train_vjp(x, grad_output, self.w, self.b, self.eps)
+        if self.training:
+            grads = spec.batch_norm_train_vjp(x, grad_output, self.w, self.b, self.eps)
+        else:
+            grads = spec.batch_norm_eval_vjp(x, grad_output, self.rm, self.rv, self.w, self.b,
+                                             self.eps)
         return Result(_r(y, x.dtype), *(_r(g, x.dtype) for g in grads))
 
     def forward_no_grad(self, x):

@@ -22,6 +22,8 @@ X = np.array([[1.0, 2.0, 4.0], [0.0, -1.0, 3.0]])
     (lambda: s.batch_norm_train(X, np.zeros(2), np.ones(2)), ValueError, r"running_mean must have shape \(3,\)"),
     (lambda: s.batch_norm_train(X[0], None, None), ValueError, r"\[N, C, \.\.\.\]"),
     (lambda: s.batch_norm_eval(X, np.zeros(3), np.ones(3), eps=True), TypeError, "eps must be a real number"),
+    (lambda: s.batch_norm_eval_vjp(X, X[:1], np.zeros(3), np.ones(3)), ValueError, r"grad_output must have shape \(2, 3\)"),
+    (lambda: s.batch_norm_eval_vjp(X, X, np.zeros(3), None), ValueError, "both be arrays or both be None"),
     (lambda: s.qk_norm_scores(X, X), ValueError, "heads, tokens, head_dim"),
     (lambda: s.qk_norm_scores(X[None], X[None, :, :2]), ValueError, "must agree"),
     (lambda: s.softcap(X, 0.0), ValueError, "cap must be a finite number > 0, got 0.0"),
@@ -45,5 +47,6 @@ def test_oracle_functions_do_not_mutate_their_inputs():
     s.batch_norm_train(x, rm, rv, w, b)
     s.batch_norm_eval(x, rm, rv, w, b)
     s.batch_norm_train_vjp(x, g, w, b)
+    s.batch_norm_eval_vjp(x, g, rm, rv, w, b)
     for before, after in zip(snapshot, (x, w, b, g, rm, rv), strict=False):
         np.testing.assert_array_equal(before, after)
