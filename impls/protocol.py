@@ -120,13 +120,27 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Conventions:
-    """What a backend claims about itself; the contract checks verify the claims.
+    """What a backend says about itself.
 
-    default_eps: the framework's own default per op (a number or a description).
-    native_momentum: how the framework's momentum is defined, in words.
-    running_var_estimator: "unbiased" (m - 1, as F4 says) or "biased" (m).
-    eps_zero: per op, whether eps = 0 is accepted ("batch_norm" meaning training).
-    half_compute_dtype: the dtype float16/bfloat16 inputs are computed in.
+    Verified by contract checks; where a verified convention contradicts the spec, the
+    records it explains are `deviation` with the reason given in `reasons`, and only
+    those (records it does not explain stay `fail`):
+      running_var_estimator: "unbiased" (m - 1, as F4 says) or "biased" (m).
+      eps_zero: per op, whether eps = 0 is accepted ("batch_norm" meaning training); a
+        declared refusal turns those records into `refused`.
+      parameter_dtype: the dtype eps and momentum are held in where coarser than the
+        input's (ONNX keeps them as float32 attributes); None: as given. The oracle is
+        then evaluated at the rounded values, and the record says so.
+      single_value_batch: "raises" (B3: training on one value per channel is an error)
+        or "accepts".
+      batch_invariant: a sample's output is bit for bit the same whatever else is in its
+        batch (B9), for every op without batch statistics.
+      deterministic: the same call twice gives the same bits.
+    Declared, not verified (shown in the report as the backend's word):
+      default_eps (per op, a number or a description), native_momentum (in words),
+      half_compute_dtype (what float16/bfloat16 inputs are computed in).
+    reasons: per convention name, why the backend does it; the report shows it with
+      every record that convention explains.
     """
 
     default_eps: dict[str, Any] = field(default_factory=dict)
@@ -134,12 +148,32 @@ class Conventions:
     running_var_estimator: str = "unbiased"
     eps_zero: dict[str, bool] = field(default_factory=lambda: {op: True for op in OPS})
     half_compute_dtype: str = "float32"
+    parameter_dtype: str | None = None
+    single_value_batch: str = "raises"
+    batch_invariant: bool = True
+    deterministic: bool = True
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.running_var_estimator not in ("unbiased", "biased"):
+            raise ValueError("conventions.running_var_estimator must be 'unbiased' or "
+                             f"'biased', got {self.running_var_estimator!r}")
+        if self.single_value_batch not in ("raises", "accepts"):
+            raise ValueError("conventions.single_value_batch must be 'raises' or 'accepts', "
+                             f"got {self.single_value_batch!r}")
+        if self.parameter_dtype not in (None, *DTYPES):
+            raise ValueError(f"conventions.parameter_dtype must be None or one of {DTYPES}, "
+                             f"got {self.parameter_dtype!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "default_eps": dict(self.default_eps), "native_momentum": self.native_momentum,
             "running_var_estimator": self.running_var_estimator,
             "eps_zero": dict(self.eps_zero), "half_compute_dtype": self.half_compute_dtype,
+            "parameter_dtype": self.parameter_dtype,
+            "single_value_batch": self.single_value_batch,
+            "batch_invariant": self.batch_invariant, "deterministic": self.deterministic,
+            "reasons": dict(self.reasons),
         }
 
 
