@@ -1,7 +1,12 @@
 """Assertion helpers: every comparison a check makes goes through here.
 
 Keyword-only. A failure raises CheckFailure whose message reads
-"got X, but the spec says Y [call]" and carries a copy-pasteable repro snippet.
+"got X, but the spec says Y [call]"; values print with as many digits as round-trip in
+the dtype compared (the context adds the repro snippet to the record).
+
+Every compared quantity has a stable id, "<op>.<field>" (e.g. "layer_norm.grad_input",
+"batch_norm.eval.output", "batch_norm.running_var"): records carry it, and deviation
+entries match on it, so rewording a message never changes what a deviation covers.
 """
 
 from __future__ import annotations
@@ -17,9 +22,8 @@ from . import tolerances
 class CheckFailure(AssertionError):
     """A backend disagreed with the spec. `measure` holds the worst error found."""
 
-    def __init__(self, message: str, *, repro: str = "", measure: Measure | None = None):
+    def __init__(self, message: str, *, measure: Measure | None = None):
         super().__init__(message)
-        self.repro = repro
         self.measure = measure
 
 
@@ -43,8 +47,12 @@ class Measure:
         self.max_rel = max(self.max_rel, other.max_rel)
 
 
-def _fmt(v) -> str:
-    return np.format_float_positional(float(v), precision=9, trim="-") if np.isfinite(v) else str(v)
+def fmt(v, dtype) -> str:
+    """`v` as the shortest text that reads back as the same value of `dtype`."""
+    v = float(v)
+    if not np.isfinite(v):
+        return str(v)
+    return str(np.dtype(dtype).type(v))
 
 
 def error_ulps(*, expected, actual, dtype, scale) -> np.ndarray:
@@ -59,19 +67,20 @@ def error_ulps(*, expected, actual, dtype, scale) -> np.ndarray:
     return np.where(np.isnan(err), np.inf, err)
 
 
-def assert_conforms(*, expected, actual, dtype, scale, bound, what: str, call: str,
-                    repro: str = "") -> Measure:
+def assert_conforms(*, expected, actual, dtype, scale, bound, quantity: str, call: str,
+                    what: str | None = None) -> Measure:
     """Pass when every element of `actual` is within `bound` ULPs (at `scale`) of the
     oracle's `expected` rounded to `dtype`; return the measure, raise CheckFailure if not.
 
-    `what` names the quantity ("layer_norm output"), `call` the backend call that
-    produced it, both for the message.
+    `quantity` is the stable id of what is compared; `what` a longer description for
+    the message where the id alone would not say it; `call` the backend call.
     """
+    what = what or quantity
     expected = np.asarray(expected, dtype=np.float64)
     actual = np.asarray(actual)
     if expected.shape != actual.shape:
         raise CheckFailure(f"got {what} of shape {actual.shape}, but the spec says shape "
-                           f"{expected.shape} [{call}]", repro=repro)
+                           f"{expected.shape} [{call}]")
     err = error_ulps(expected=expected, actual=actual, dtype=dtype, scale=scale)
     bound_arr = np.broadcast_to(np.asarray(bound, dtype=np.float64), err.shape)
     excess = err - bound_arr
@@ -87,24 +96,24 @@ def assert_conforms(*, expected, actual, dtype, scale, bound, what: str, call: s
         m.max_ulp, m.bound_ulp = float(err[i]), float(bound_arr[i])
         m.max_abs = float(np.nanmax(np.where(np.isfinite(abs_err), abs_err, np.inf)))
         m.max_rel = float(np.nanmax(np.where(np.isfinite(rel_err), rel_err, np.inf)))
-        m.worst = {"what": what, "index": [int(k) for k in i], "expected": _fmt(ref[i]),
-                   "got": _fmt(got[i]), "ulp": m.max_ulp, "bound": m.bound_ulp}
+        m.worst = {"quantity": quantity, "what": what, "index": [int(k) for k in i],
+                   "expected": fmt(ref[i], dtype), "got": fmt(got[i], dtype),
+                   "ulp": m.max_ulp, "bound": m.bound_ulp}
         if not err[i] <= bound_arr[i]:
             raise CheckFailure(
-                f"got {what}[{', '.join(map(str, i))}] = {_fmt(got[i])}, but the spec says "
-                f"{_fmt(ref[i])} ({m.max_ulp:.3g} ULPs of {np.dtype(dtype).name} at scale, "
-                f"bound {m.bound_ulp:.3g}) [{call}]", repro=repro, measure=m)
+                f"got {what}[{', '.join(map(str, i))}] = {fmt(got[i], dtype)}, but the spec "
+                f"says {fmt(ref[i], dtype)} ({m.max_ulp:.3g} ULPs of {np.dtype(dtype).name} "
+                f"at scale, bound {m.bound_ulp:.3g}) [{call}]", measure=m)
     return m
 
 
-def assert_holds(*, condition: bool, got: str, spec_says: str, call: str, repro: str = "") -> None:
+def assert_holds(*, condition: bool, got: str, spec_says: str, call: str) -> None:
     """A yes/no property of the spec (an error raised, a value that must change)."""
     if not condition:
-        raise CheckFailure(f"got {got}, but the spec says {spec_says} [{call}]", repro=repro)
+        raise CheckFailure(f"got {got}, but the spec says {spec_says} [{call}]")
 
 
-def assert_differs(*, first, second, dtype, scale, at_least: float, what: str, call: str,
-                   repro: str = "") -> None:
+def assert_differs(*, first, second, dtype, scale, at_least: float, what: str, call: str) -> None:
     """The spec says two results differ (B1 for RMSNorm, B4, B7): some element must be
     more than `at_least` ULPs (at scale) apart, so rounding cannot be mistaken for it."""
     err = error_ulps(expected=np.asarray(first, dtype=np.float64), actual=np.asarray(second),
@@ -112,8 +121,8 @@ def assert_differs(*, first, second, dtype, scale, at_least: float, what: str, c
     biggest = float(np.max(err)) if err.size else 0.0
     assert_holds(condition=biggest > at_least,
                  got=f"{what} equal up to {biggest:.3g} ULPs",
-                 spec_says=f"they differ by more than {at_least:.3g} ULPs", call=call, repro=repro)
+                 spec_says=f"they differ by more than {at_least:.3g} ULPs", call=call)
 
 
 __all__ = ["CheckFailure", "Measure", "assert_conforms", "assert_differs", "assert_holds",
-           "error_ulps", "tolerances"]
+           "error_ulps", "fmt", "tolerances"]

@@ -84,6 +84,7 @@ def repro_snippet(*, backend_source: str, dtype_name: str, inputs: dict[str, obj
         "import numpy as np",
         "import normspec.spec as spec",
         "from normspec.conformance.cases import ArraySpec, Literal",
+        "from normspec.conformance.repro import show",
         "from normspec.impls.registry import load",
         f"backend = load({backend_source!r}).backend",
     ]

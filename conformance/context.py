@@ -1,9 +1,15 @@
 """What a check sees: one backend, one dtype, a seed, and guarded calls into the backend.
 
-Every call into a backend goes through `Context.call`, which enforces the protocol's
-contract for every check alike: inputs are not modified, outputs are NumPy arrays of the
-expected shape and dtype; a raise is an error unless the backend's conventions declare
-that refusal, and NotImplementedError means unsupported.
+Every call into a backend goes through `Context.call` (or `Context.raises`, where
+raising is the finding), which enforces the protocol's contract for every check alike:
+inputs are not modified, outputs are NumPy arrays of the expected shape and dtype; a
+raise is an error unless the backend's conventions declare that refusal, and
+NotImplementedError means unsupported.
+
+The context also owns what a record is made of, so checks only state what they
+compare: `case()` opens a record, `conforms()` / `holds()` / `differs()` compare and
+collect the worst error into it, `oracle()` writes the oracle's side of the repro, and
+the repro snippet is built only for a record that needs one.
 """
 
 from __future__ import annotations
@@ -15,10 +21,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, given, seed, settings
+from normspec.spec import round_to
 
-from .assertions import CheckFailure, Measure
+from .assertions import (
+    CheckFailure,
+    Measure,
+    assert_conforms,
+    assert_differs,
+    assert_holds,
+)
 from .cases import repro_snippet
 from .results import Record
+from .tolerances import compute_dtype, unit_roundoff
 
 #: Shrinking re-runs a failing backend many times; it is opt-in (--shrink). Every drawn
 #: example is a printable recipe, so an unshrunk failure replays just as well.
@@ -62,6 +76,11 @@ class Context:
     on_record: Callable[[Record], None] | None = None
     calls: list[str] = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
+    measure: Measure = field(default_factory=Measure)
+    notes: list[str] = field(default_factory=list)
+    #: (message, reason) of each comparison the spec's answer missed and a declared
+    #: convention's met: the case goes on, and ends as a deviation unless it fails
+    explained: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def dtype_name(self) -> str:
@@ -73,10 +92,45 @@ class Context:
                              inputs=self.inputs, calls=self.calls)
 
     def use(self, **recipes):
-        """Register the input recipes of the current case; return them built in dtype."""
+        """Register the input recipes of the current case; return them built in dtype
+        (a None recipe registers the name as None, so the repro defines it)."""
         self.inputs.update(recipes)
         built = [None if r is None else r.build(self.dtype) for r in recipes.values()]
         return built[0] if len(built) == 1 else built
+
+    def oracle(self, *lines: str) -> None:
+        """The oracle's side of the current case, as the repro writes it."""
+        self.calls.extend(lines)
+
+    # ---------------------------------------------------------------- conventions
+    def convention(self, name: str, default=None):
+        return getattr(self.conventions, name, default)
+
+    def accepts_eps_zero(self, op: str) -> bool:
+        """Whether the backend's conventions say it accepts eps = 0 for `op` (default yes)."""
+        return bool((self.convention("eps_zero", {}) or {}).get(op, True))
+
+    def reason(self, convention: str) -> str:
+        """The declared reason for a convention, for the records it explains."""
+        value = self.convention(convention)
+        why = (self.convention("reasons", {}) or {}).get(convention, "")
+        return f"declared convention {convention} = {value!r}" + (f": {why}" if why else "")
+
+    def effective(self, value: float | None, what: str) -> float | None:
+        """A parameter (eps, momentum) as the backend holds it: rounded to its declared
+        `parameter_dtype` where that is coarser than this dtype's compute precision.
+        The oracle is evaluated at it, and the record says so."""
+        held = self.convention("parameter_dtype")
+        if value is None or held is None:
+            return value
+        if unit_roundoff(held) <= unit_roundoff(compute_dtype(self.dtype)):
+            return value
+        rounded = float(round_to(np.float64(value), held))
+        if rounded != value:
+            note = f"oracle at {what} = {held}({value!r}) = {rounded!r} (declared parameter_dtype)"
+            if note not in self.notes:
+                self.notes.append(note)
+        return rounded
 
     # ---------------------------------------------------------------- calls
     def call(self, code: str, fn, *args, outputs_like=None, refusable: bool = False):
@@ -98,18 +152,27 @@ class Context:
         for i, a, before in arrays:
             if not np.array_equal(a, before, equal_nan=True):
                 raise CheckFailure(f"got argument {i} modified in place, but the spec says "
-                                   f"inputs are never modified [{code}]", repro=self.repro())
+                                   f"inputs are never modified [{code}]")
         for name, (shape, dtype) in (outputs_like or {}).items():
             value = out if name == "output" and isinstance(out, np.ndarray) else getattr(out, name, None)
             if not isinstance(value, np.ndarray):
                 raise CheckFailure(f"got {name} = {_describe(value)}, but the protocol says a "
-                                   f"NumPy array [{code}]", repro=self.repro())
+                                   f"NumPy array [{code}]")
             if value.shape != tuple(shape) or value.dtype != np.dtype(dtype):
                 raise CheckFailure(
                     f"got {name} of shape {value.shape} and dtype {value.dtype}, but the "
-                    f"spec says shape {tuple(shape)} and dtype {np.dtype(dtype)} [{code}]",
-                    repro=self.repro())
+                    f"spec says shape {tuple(shape)} and dtype {np.dtype(dtype)} [{code}]")
         return out
+
+    def raises(self, code: str, fn, *args) -> str | None:
+        """Call the backend through the same guard as `call` where raising is the
+        finding: the exception's text, or None if it returned. NotImplementedError is
+        still `unsupported`, and inputs must still be left alone."""
+        try:
+            self.call(code, fn, *args, refusable=True)
+        except Refused as exc:
+            return str(exc)
+        return None
 
     def require(self, op: str, *, gradient: bool = False) -> None:
         """Raise Unsupported unless the backend offers `op` (and its gradient) in this
@@ -123,26 +186,70 @@ class Context:
     def has_gradient(self, op: str) -> bool:
         return self.backend.capabilities.has_gradient(op, self.dtype_name)
 
-    def raises(self, code: str, fn, *args) -> str | None:
-        """Call the backend through the same guard as `call` where raising is the
-        finding: the exception's text, or None if it returned. NotImplementedError is
-        still `unsupported`, and inputs must still be left alone."""
+    # ---------------------------------------------------------------- comparisons
+    def conforms(self, *, expected, actual, scale, bound, quantity: str, call: str,
+                 what: str | None = None, dtype=None, explained=()) -> Measure:
+        """assert_conforms in this case's dtype, its measure collected into the record.
+
+        `explained`: (expected under a declared convention, convention name) pairs. When
+        the spec's answer is missed but a declared convention's is met, the record is a
+        deviation with the convention's reason; when neither is met, a fail."""
         try:
-            self.call(code, fn, *args, refusable=True)
-        except Refused as exc:
-            return str(exc)
-        return None
+            m = assert_conforms(expected=expected, actual=actual, dtype=dtype or self.dtype,
+                                scale=scale, bound=bound, quantity=quantity, what=what, call=call)
+        except CheckFailure as exc:
+            for alt, convention in explained:
+                try:
+                    assert_conforms(expected=alt, actual=actual, dtype=dtype or self.dtype,
+                                    scale=scale, bound=bound, quantity=quantity, what=what,
+                                    call=call)
+                except CheckFailure:
+                    continue
+                self.explain(str(exc), convention)
+                self.measure.absorb(exc.measure)
+                return exc.measure
+            raise
+        self.measure.absorb(m)
+        return m
+
+    def explain(self, message: str, convention: str) -> None:
+        """Note that the spec was missed where a declared convention was met."""
+        self.explained.append((message, self.reason(convention)))
+
+    def holds(self, *, condition: bool, got: str, spec_says: str, call: str,
+              explained_by: str | None = None) -> None:
+        """assert_holds; `explained_by` names a declared convention under which the
+        property does not hold by design (the record is then a deviation)."""
+        try:
+            assert_holds(condition=condition, got=got, spec_says=spec_says, call=call)
+        except CheckFailure as exc:
+            if explained_by is None:
+                raise
+            self.explain(str(exc), explained_by)
+
+    def differs(self, *, first, second, scale, at_least: float, what: str, call: str,
+                dtype=None, explained_by: str | None = None) -> None:
+        try:
+            assert_differs(first=first, second=second, dtype=dtype or self.dtype, scale=scale,
+                           at_least=at_least, what=what, call=call)
+        except CheckFailure as exc:
+            if explained_by is None:
+                raise
+            self.explain(str(exc), explained_by)
 
     # ---------------------------------------------------------------- cases
     @contextlib.contextmanager
     def case(self, name: str, *, op: str | None = None):
         """One record: pass unless the body raises. Collects the body's measures."""
-        self.calls, self.inputs = [], {}
-        measure = Measure()
+        self.calls, self.inputs, self.notes, self.explained = [], {}, [], []
+        self.measure = measure = Measure()
         start = time.perf_counter()
         status, message, reason = "pass", "", ""
         try:
             yield measure
+            if self.explained:
+                status, message = "deviation", self.explained[0][0]
+                reason = "; ".join(dict.fromkeys(r for _, r in self.explained))
         except CheckFailure as exc:
             status, message = "fail", str(exc)
             if exc.measure is not None:
@@ -155,28 +262,30 @@ class Context:
             status, message = "error", str(exc)
         except Exception as exc:  # noqa: BLE001 - e.g. a Hypothesis error about the backend
             status, message = "error", f"{type(exc).__name__}: {exc}"
+        measured = measure.comparisons > 0
         rec = Record(
             backend=self.backend_name, check=self.check_id, claim=self.claim,
             op=op or self.op, dtype=self.dtype_name, case=name, status=status,
-            message=message, max_ulp=measure.max_ulp if measure.comparisons else None,
-            bound_ulp=measure.bound_ulp if measure.comparisons else None,
-            max_abs=measure.max_abs if measure.comparisons else None,
-            max_rel=measure.max_rel if measure.comparisons else None,
-            worst=measure.worst,
+            message=message, quantity=str(measure.worst.get("quantity", "")),
+            max_ulp=measure.max_ulp if measured else None,
+            bound_ulp=measure.bound_ulp if measured else None,
+            max_abs=measure.max_abs if measured else None,
+            max_rel=measure.max_rel if measured else None,
+            worst=measure.worst, note="; ".join(self.notes),
             inputs="; ".join(f"{k} = {v.code(self.dtype_name)}" for k, v in self.inputs.items()
                              if v is not None)[:4000],
-            repro=self.repro() if status in ("fail", "error", "refused") else "",
+            repro=self.repro() if status in ("fail", "error", "refused", "deviation") else "",
             reason=reason, seed=self.seed, duration_s=round(time.perf_counter() - start, 4))
         self.records.append(rec)
         if self.on_record is not None:
             self.on_record(rec)
 
     def explore(self, name: str, strategy, body, *, op: str | None = None):
-        """A Hypothesis-driven case: `body(example, measure)` runs for each drawn example
-        (seeded with the run's seed, so a failure replays); the minimal failing example is
-        what the record shows."""
+        """A Hypothesis-driven case: `body(example)` runs for each drawn example (seeded
+        with the run's seed, so a failure replays); the failing example is what the
+        record shows."""
         with self.case(f"{name} (hypothesis, {self.examples} examples, seed {self.seed})",
-                       op=op) as measure:
+                       op=op):
 
             @seed(self.seed)
             @settings(max_examples=self.examples, deadline=None, database=None,
@@ -185,6 +294,6 @@ class Context:
             @given(strategy)
             def run(example):
                 self.calls, self.inputs = [], {}
-                measure.absorb(body(example))
+                body(example)
 
             run()

@@ -94,11 +94,13 @@ class Record:
     case: str
     status: str
     message: str = ""
+    quantity: str = ""  # stable id of the worst compared quantity, e.g. "layer_norm.output"
     max_ulp: float | None = None
     bound_ulp: float | None = None
     max_abs: float | None = None
     max_rel: float | None = None
     worst: dict = field(default_factory=dict)
+    note: str = ""  # how the oracle was evaluated, where not at the parameters as given
     inputs: str = ""
     repro: str = ""
     reason: str = ""
@@ -114,9 +116,10 @@ class Record:
         return encode(asdict(self))
 
 
-_RECORD_DEFAULTS = {"message": "", "max_ulp": None, "bound_ulp": None, "max_abs": None,
-                    "max_rel": None, "worst": {}, "inputs": "", "repro": "", "reason": "",
-                    "seed": None, "duration_s": 0.0, "run": ""}
+_RECORD_DEFAULTS = {"message": "", "quantity": "", "note": "", "max_ulp": None,
+                    "bound_ulp": None, "max_abs": None, "max_rel": None, "worst": {},
+                    "inputs": "", "repro": "", "reason": "", "seed": None, "duration_s": 0.0,
+                    "run": ""}
 
 
 def encode(obj):

@@ -121,3 +121,51 @@ def shift_kappa(shift: np.ndarray, var: np.ndarray, eps: float) -> np.ndarray:
 def table_rows() -> list[dict]:
     return [{"quantity": t.quantity, "base_ulps": t.base_ulps, "growth": t.growth,
              "reason": t.reason} for t in TABLE.values()]
+
+
+# ---------------------------------------------------------------- scales
+# The scale each element is measured at: the magnitude of the terms its formula adds up,
+# from the oracle's float64 quantities (see the module docstring).
+
+def centred_output_scale(x_hat, gamma, beta, axes) -> np.ndarray:
+    """LayerNorm and BatchNorm outputs: max over the group of max(|x_hat|, 1) |gamma| + |beta|.
+    max(|x_hat|, 1): the mean's rounding error reaches the output as gamma * delta_mu * r
+    even where x_hat is 0 (d = 1, constant rows), so gamma itself bounds the error's scale."""
+    return np.max(np.maximum(np.abs(x_hat), 1.0) * gamma + beta, axis=axes, keepdims=True)
+
+
+def rms_output_scale(x_r, gamma, axes) -> np.ndarray:
+    """RMSNorm outputs: max |x / rms| |gamma| over the row (no centring, no shift)."""
+    return np.max(np.abs(x_r) * gamma, axis=axes, keepdims=True)
+
+
+def grad_input_scale(r, h, x_hat, axes, *, centre: bool) -> np.ndarray:
+    """The magnitude of the terms of dL/dx = r (h - mean(h) - x_hat mean(h x_hat)) over
+    the normalized `axes` (no mean(h) term for RMSNorm), with h = |g gamma|."""
+    terms = np.max(h, axis=axes, keepdims=True) + np.max(np.abs(x_hat), axis=axes, keepdims=True) \
+        * (h * np.abs(x_hat)).mean(axis=axes, keepdims=True)
+    if centre:
+        terms = terms + h.mean(axis=axes, keepdims=True)
+    return r * terms
+
+
+def param_grad_scales(g64, x_hat, sum_axes) -> tuple[np.ndarray, np.ndarray]:
+    """dL/dgamma = sum g x_hat and dL/dbeta = sum g over `sum_axes`: the sums of the
+    magnitudes added (max(|x_hat|, 1) for the same reason as the output's scale)."""
+    return ((np.abs(g64) * np.maximum(np.abs(x_hat), 1.0)).sum(axis=sum_axes),
+            np.abs(g64).sum(axis=sum_axes))
+
+
+def qk_scores_scale(q_hat, k_hat, scale) -> np.ndarray:
+    """Each score is a dot product of d products of normalized entries: the row's
+    largest sum of |terms|."""
+    terms = np.matmul(np.abs(q_hat), np.swapaxes(np.abs(k_hat), -1, -2)) * abs(scale)
+    return np.max(terms, axis=-1, keepdims=True)
+
+
+def running_stat_scales(old_rm, old_rv, x64, count, a, axes):
+    """running_mean and running_var after a blend with weight a: the magnitudes
+    blended, (1 - a)|old| + a |batch statistic| (unbiased variance for the latter)."""
+    v_u = x64.var(axis=axes) * count / max(count - 1, 1)
+    return ((1 - a) * np.abs(old_rm) + a * np.abs(x64).mean(axis=axes),
+            (1 - a) * np.abs(old_rv) + a * v_u)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 import numpy as np
 from normspec.impls import registry
 from normspec.impls.protocol import Capabilities
 
+from . import deviations
 from .cases import dtype_of
 from .checks import Check
 from .context import Context
@@ -37,26 +39,6 @@ def why_unsupported(check: Check, caps: Capabilities, dtype: str) -> str | None:
     return None
 
 
-def deviation_reason(rec: Record, deviations: list[dict]) -> str | None:
-    """The reason of the first deviation entry that matches a failed record.
-
-    An entry names any of: `check` (an id, an id prefix, or a claim id), `op`, `dtype`,
-    and `quantity` (the start of the failing quantity's name, e.g. "layer.running_var"
-    or "batch_norm"); every field it names must match."""
-    for d in deviations:
-        target = d.get("check")
-        if target and not (rec.check == target or rec.check.startswith(target + ".")
-                           or rec.claim == target):
-            continue
-        if d.get("dtype") not in (None, rec.dtype) or d.get("op") not in (None, rec.op):
-            continue
-        quantity = d.get("quantity")
-        if quantity and not str(rec.worst.get("what", "")).startswith(quantity):
-            continue
-        return str(d.get("reason", "documented deviation"))
-    return None
-
-
 def run_check(loaded: registry.LoadedBackend, check: Check, dtype: str, *, seed: int,
               examples: int, timeout: float | None = None, shrink: bool = False,
               emit: Callable[[Record], None] | None = None) -> list[Record]:
@@ -77,7 +59,7 @@ def run_check(loaded: registry.LoadedBackend, check: Check, dtype: str, *, seed:
     def finish(rec: Record) -> None:
         rec.seed = seed
         if rec.status == "fail":
-            reason = deviation_reason(rec, loaded.deviations)
+            reason = deviations.reason_for(asdict(rec), loaded.deviations)
             if reason:
                 rec.status, rec.reason = "deviation", reason
         records.append(rec)

@@ -60,6 +60,7 @@ def _child_main(conn, requested: str, label: str) -> None:
     set_hypothesis_home_dir(hypothesis_home())
     from normspec.impls import registry
 
+    from . import deviations
     from .checks import all_checks
     from .unit import backend_entry, run_check
 
@@ -67,6 +68,10 @@ def _child_main(conn, requested: str, label: str) -> None:
         loaded = registry.load(requested)
     except registry.UnknownBackend as exc:
         loaded = registry.LoadedBackend(requested, requested, error=str(exc))
+    bad = [f"deviation entry {i}: {p}" for i, d in enumerate(loaded.deviations)
+           for p in deviations.problems(d)]
+    if bad:
+        loaded = registry.LoadedBackend(loaded.name, loaded.source, error="; ".join(bad))
     conn.send(("loaded", backend_entry(loaded, label), loaded.deviations))
     if not loaded.available:
         return

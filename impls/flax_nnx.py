@@ -62,6 +62,15 @@ class FlaxBackend(Backend):
         native_momentum="momentum=0.99 weights the old running value (1 - PyTorch's)",
         running_var_estimator="biased",
         half_compute_dtype="float32 (statistics promoted to at least float32)",
+        single_value_batch="accepts",
+        reasons={
+            "running_var_estimator": "Flax NNX BatchNorm stores the biased batch variance "
+                                     "(sum (x - mu)^2 / m) in its running variance; F4's "
+                                     "update uses the unbiased m - 1 estimate.",
+            "single_value_batch": "Flax BatchNorm trains on one value per channel without "
+                                  "raising (the variance is 0, so the output is 0, or NaN "
+                                  "with eps = 0); B3 describes PyTorch's refusal.",
+        },
     )
 
     def __init__(self):

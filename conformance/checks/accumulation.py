@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..assertions import assert_differs, assert_holds
 from ..cases import ArraySpec, Literal
 from ..ops import BatchNormDriver
 from . import check
@@ -24,7 +23,7 @@ E4_GRAD_SECOND = Literal(values=((0.25,), (2.0,)))
        ops=("batch_norm",), needs=("gradients",))
 def accumulation(ctx):
     for eps in (0.0, 1e-5):
-        with ctx.case("E4, eps = 0 as the document" if eps == 0 else "E4, eps = 1e-5") as measure:
+        with ctx.case("E4, eps = 0 as the document" if eps == 0 else "E4, eps = 1e-5"):
             weight, bias = Literal(values=(1.5,)), Literal(values=(0.25,))
             full = BatchNormDriver(ctx, 1, eps=eps, momentum=0.1, weight=weight, bias=bias)
             y_full = full.step("x_full", E4_FULL, mode="train", grad=E4_GRAD_FULL)
@@ -32,41 +31,37 @@ def accumulation(ctx):
             micro = BatchNormDriver(ctx, 1, eps=eps, momentum=0.1, weight=weight, bias=bias)
             y1 = micro.step("x_first", E4_FIRST, mode="train", grad=E4_GRAD_FIRST)
             y2 = micro.step("x_second", E4_SECOND, mode="train", grad=E4_GRAD_SECOND)
-            measure.absorb(full.measure)
-            measure.absorb(micro.measure)
             both = np.concatenate([y1, y2]).astype(np.float64)
-            assert_differs(first=both, second=y_full, dtype=ctx.dtype, scale=1.0, at_least=2.0,
+            ctx.differs(first=both, second=y_full, scale=1.0, at_least=2.0,
                            what="full-batch and micro-batch outputs",
-                           call="one forward of x_full against x_first then x_second",
-                           repro=ctx.repro())
-            assert_differs(first=stats_full[1].astype(np.float64), second=micro.rv,
+                           call="one forward of x_full against x_first then x_second")
+            ctx.differs(first=stats_full[1].astype(np.float64), second=micro.rv,
                            dtype=micro.rv.dtype, scale=1.0, at_least=2.0,
                            what="running_var after one batch and after two micro-batches",
-                           call="layer.running_var", repro=ctx.repro())
+                           call="layer.running_var")
 
 
 @check("B5.update_every_forward", title="Running statistics change at every training-mode "
        "forward, with no optimizer step in between", ops=("batch_norm",))
 def every_forward(ctx):
-    with ctx.case("two forwards, no step") as measure:
+    with ctx.case("two forwards, no step"):
         driver = BatchNormDriver(ctx, 2, momentum=0.5)
         before = driver.rm.copy()
         for i in range(2):
             driver.step(f"x{i}", ArraySpec((4, 2), ctx.seed + i, 5.0, 1.0), mode="train",
                         check_output=False)  # B5 is about the statistics; F1 owns outputs
-            assert_holds(condition=not np.array_equal(before, driver.rm),
+            ctx.holds(condition=not np.array_equal(before, driver.rm),
                          got=f"running_mean unchanged after training forward {i + 1}",
                          spec_says="it updates at every training forward (B5)",
-                         call=f"layer.forward(x{i})", repro=ctx.repro())
+                         call=f"layer.forward(x{i})")
             before = driver.rm.copy()
-        measure.absorb(driver.measure)
 
 
 @check("B6.no_grad_still_updates", title="The no-grad switch does not change BatchNorm's "
        "mode: in training mode it still updates the statistics; eval() is what stops it",
        ops=("batch_norm",), needs=("no_grad_mode",))
 def no_grad(ctx):
-    with ctx.case("train mode under no-grad, then eval mode under no-grad") as measure:
+    with ctx.case("train mode under no-grad, then eval mode under no-grad"):
         driver = BatchNormDriver(ctx, 2, momentum=0.5)
         # the driver compares the statistics with the oracle's update after this forward
         driver.step("x", ArraySpec((4, 2), ctx.seed, 5.0, 1.0), mode="no_grad",
@@ -74,4 +69,3 @@ def no_grad(ctx):
         driver.set_mode(False)
         driver.step("x_val", ArraySpec((4, 2), ctx.seed + 1, -5.0, 1.0), mode="no_grad",
                     check_output=False)
-        measure.absorb(driver.measure)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import normspec.spec as spec
 import numpy as np
 
-from ..assertions import assert_conforms, assert_differs
 from ..cases import ArraySpec
 from ..ops import layer_norm_case, rms_norm_case
 from ..tolerances import bound, centring_kappa, unit_roundoff
@@ -36,10 +35,10 @@ def _call(ctx, op, x, shape, eps, tag):
 def layer_norm_shift(ctx):
     c = shift_for(ctx.dtype)
     for shape in SHAPES:
-        with ctx.case(f"x + {c:g}, spread 1, d = {shape[-1]}") as measure:
+        with ctx.case(f"x + {c:g}, spread 1, d = {shape[-1]}"):
             recipe = ArraySpec(shape, ctx.seed, c, 1.0)
             # the backend on the shifted rows against the oracle on the same rows
-            measure.absorb(layer_norm_case(ctx, x=recipe, normalized_shape=shape[-1:], eps=1e-5))
+            layer_norm_case(ctx, x=recipe, normalized_shape=shape[-1:], eps=1e-5)
             shifted = ctx.inputs["x"].build(ctx.dtype)
             # x - c is exact (Sterbenz): the backend must give the same rows back
             unshifted = (shifted.astype(np.float64) - c).astype(ctx.dtype)
@@ -49,38 +48,36 @@ def layer_norm_shift(ctx):
             got_plain = _call(ctx, "layer_norm", unshifted, shape[-1:], 1e-5, "unshifted")
             x64 = shifted.astype(np.float64)
             kappa = centring_kappa(x64, (-1,), 1e-5)
-            measure.absorb(assert_conforms(
-                expected=got_plain.astype(np.float64), actual=got_shifted, dtype=ctx.dtype,
-                scale=np.maximum(np.abs(spec.layer_norm(x64, shape[-1:], eps=1e-5)).max(-1, keepdims=True),
-                                 1.0),
-                bound=bound("invariance", ctx.dtype, shape[-1], kappa),
-                what="layer_norm(x + c) against layer_norm(x)", call="shifted vs unshifted",
-                repro=ctx.repro()))
+            row_scale = np.abs(spec.layer_norm(x64, shape[-1:], eps=1e-5)).max(-1, keepdims=True)
+            ctx.conforms(
+                expected=got_plain.astype(np.float64), actual=got_shifted,
+                scale=np.maximum(row_scale, 1.0), bound=bound("invariance", ctx.dtype, shape[-1], kappa),
+                quantity="layer_norm.output", what="layer_norm(x + c) against layer_norm(x)",
+                call="shifted vs unshifted")
 
 
 @check("B1.rms_norm_shift", title="RMSNorm is not shift invariant: it changes exactly as the "
        "oracle says", ops=("rms_norm",))
 def rms_norm_shift(ctx):
     for c in (0.5, 10.0):
-        with ctx.case(f"x + {c:g} changes the output") as measure:
+        with ctx.case(f"x + {c:g} changes the output"):
             shape = (4, 64)
             base = ArraySpec(shape, ctx.seed, 0.0, 1.0)
-            measure.absorb(rms_norm_case(ctx, x=ArraySpec(shape, ctx.seed, c, 1.0),
-                                         normalized_shape=(64,), eps=1e-6))
+            rms_norm_case(ctx, x=ArraySpec(shape, ctx.seed, c, 1.0),
+                                         normalized_shape=(64,), eps=1e-6)
             shifted_out = _call(ctx, "rms_norm", ctx.inputs["x"].build(ctx.dtype), (64,), 1e-6,
                                 "shifted")
             plain = spec.rms_norm(base.build(ctx.dtype), (64,), eps=1e-6)
-            assert_differs(first=plain, second=shifted_out, dtype=ctx.dtype, scale=1.0,
+            ctx.differs(first=plain, second=shifted_out, scale=1.0,
                            at_least=float(bound("output", ctx.dtype, 64)),
-                           what="rms_norm(x + c) and rms_norm(x)", call="shifted vs plain",
-                           repro=ctx.repro())
+                           what="rms_norm(x + c) and rms_norm(x)", call="shifted vs plain")
 
 
 def _scale_cases(ctx, op):
     d = 100
     for a in (2.0**-8, 3.0, 2.0**10):
         for sign in (1.0, -1.0):
-            with ctx.case(f"x * {sign * a:g}, eps rescaled to eps / a^2") as measure:
+            with ctx.case(f"x * {sign * a:g}, eps rescaled to eps / a^2"):
                 eps = 1e-3
                 x, xa = ctx.use(x=ArraySpec((3, d), ctx.seed, 0.5, 1.0),
                                 x_scaled=ArraySpec((3, d), ctx.seed, 0.5, 1.0, factor=sign * a))
@@ -89,23 +86,24 @@ def _scale_cases(ctx, op):
                 xa64 = xa.astype(np.float64)
                 # norm(a x; eps) == sign(a) * norm(|a| x / |a|; eps / a^2): compare against
                 # the oracle at the rescaled eps on the unscaled rows
-                expected = np.sign(sign) * ref_fn(xa64 / (sign * a), (d,), eps=eps / a**2)
-                kappa = centring_kappa(xa64, (-1,), eps) if op == "layer_norm" else 1.0
-                measure.absorb(assert_conforms(
-                    expected=expected, actual=got, dtype=ctx.dtype,
-                    scale=np.maximum(np.abs(expected).max(-1, keepdims=True), 1.0),
+                e = ctx.effective(eps, "eps")
+                expected = np.sign(sign) * ref_fn(xa64 / (sign * a), (d,), eps=e / a**2)
+                kappa = centring_kappa(xa64, (-1,), e) if op == "layer_norm" else 1.0
+                row_scale = np.maximum(np.abs(expected).max(-1, keepdims=True), 1.0)
+                ctx.conforms(
+                    expected=expected, actual=got, scale=row_scale,
                     bound=bound("output", ctx.dtype, d, kappa),
-                    what=f"{op}(a x; eps)", call=f"backend.{op}(x_scaled, ...)",
-                    repro=ctx.repro()))
+                    quantity=f"{op}.output", what=f"{op}(a x; eps)",
+                    call=f"backend.{op}(x_scaled, ...)")
                 if a in (2.0**-8, 2.0**10):
                     # a power of two scales exactly: the backend must agree with itself
                     got_plain = _call(ctx, op, x, (d,), eps / a**2, "x")
-                    measure.absorb(assert_conforms(
-                        expected=sign * got_plain.astype(np.float64), actual=got, dtype=ctx.dtype,
-                        scale=np.maximum(np.abs(expected).max(-1, keepdims=True), 1.0),
-                        bound=bound("invariance", ctx.dtype, d, kappa),
+                    ctx.conforms(
+                        expected=sign * got_plain.astype(np.float64), actual=got,
+                        scale=row_scale, bound=bound("invariance", ctx.dtype, d, kappa),
+                        quantity=f"{op}.output",
                         what=f"{op}(a x; eps) against sign(a) {op}(x; eps / a^2)",
-                        call="scaled vs unscaled", repro=ctx.repro()))
+                        call="scaled vs unscaled")
 
 
 @check("B2.layer_norm_scale", title="LayerNorm(a x; eps) = sign(a) LayerNorm(x; eps / a^2)",

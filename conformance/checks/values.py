@@ -60,7 +60,6 @@ def _bn_train(ctx, case):
     driver = BatchNormDriver(ctx, x.shape[1], eps=case["eps"], momentum=case["momentum"],
                              weight=case["weight"], bias=case["bias"], compare_stats=False)
     driver.step("x", x, mode="train")
-    return driver.measure
 
 
 @check("F1.values", title="BatchNorm training forward equals the oracle (batch statistics, "
@@ -80,7 +79,6 @@ def batch_norm_eval_values(ctx):
         driver.step("x", x, mode="train", check_output=False)  # F1's business; sets state
         driver.set_mode(False)
         driver.step("x_eval", ArraySpec(x.shape, other_seed, 1.0, 2.0), mode="eval")
-        return driver.measure
 
     ctx.explore("train once, eval on another batch",
                 st.tuples(ns.batch_norm_inputs(), ns.seeds), body)
@@ -101,10 +99,10 @@ def qk_values(ctx):
 
     ctx.explore("drawn q, k, gains and scale", cases(),
                 lambda c: qk_scores_case(ctx, q=c[0], k=c[1], q_weight=c[2], k_weight=c[3],
-                                         eps=c[4], scale=c[5])[0])
+                                         eps=c[4], scale=c[5]))
     # the scale is the caller's: a backend that computes 1/sqrt(d_k) itself must fail here
     for scale in QK_SCALES:
-        with ctx.case(f"scale {scale!r} given, not 1/sqrt(d_k) = 0.125 (d_k = 64)") as measure:
-            measure.absorb(qk_scores_case(ctx, q=ArraySpec((2, 3, 64), ctx.seed, 0.0, 1.0),
+        with ctx.case(f"scale {scale!r} given, not 1/sqrt(d_k) = 0.125 (d_k = 64)"):
+            qk_scores_case(ctx, q=ArraySpec((2, 3, 64), ctx.seed, 0.0, 1.0),
                                           k=ArraySpec((2, 4, 64), ctx.seed + 1, 0.0, 1.0),
-                                          scale=scale)[0])
+                                          scale=scale)

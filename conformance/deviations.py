@@ -1,0 +1,59 @@
+"""Known deviations as data: entries that turn a failing record into `deviation` with
+the entry's reason, and the entries no record needed any more (stale).
+
+An entry names any of `check` (an id, an id prefix, or a claim id), `op`, `dtype` and
+`quantity` (a stable quantity id or its dotted prefix: "batch_norm" covers every
+BatchNorm quantity, "batch_norm.eval" the eval-mode ones, "batch_norm.eval.output" one);
+everything it names must match, and nothing is matched on message text. A deviation
+that a declared convention explains needs no entry: the convention turns exactly the
+records it explains into deviations (see impls/protocol.py, Conventions)."""
+
+from __future__ import annotations
+
+KEYS = ("check", "op", "dtype", "quantity", "reason")
+
+
+def problems(entry: dict) -> list[str]:
+    """What is wrong with an entry (unknown keys, no reason), for the registry."""
+    out = [f"unknown key {k!r} (known: {', '.join(KEYS)})" for k in entry if k not in KEYS]
+    if not str(entry.get("reason", "")).strip():
+        out.append("no reason")
+    return out
+
+
+def _prefix(value: str, target: str) -> bool:
+    return value == target or value.startswith(target + ".")
+
+
+def applies(entry: dict, rec: dict) -> bool:
+    """The entry's check, op and dtype select this record (its quantity aside)."""
+    target = entry.get("check")
+    if target and not (_prefix(rec["check"], target) or rec["claim"] == target):
+        return False
+    return entry.get("dtype") in (None, rec["dtype"]) and entry.get("op") in (None, rec["op"])
+
+
+def matches(entry: dict, rec: dict) -> bool:
+    quantity = entry.get("quantity")
+    return applies(entry, rec) and (not quantity or _prefix(rec.get("quantity") or "", quantity))
+
+
+def reason_for(rec: dict, entries: list[dict]) -> str | None:
+    """The reason of the first entry that matches a failed record, or None."""
+    for entry in entries:
+        if matches(entry, rec):
+            return str(entry["reason"])
+    return None
+
+
+def stale(entries: list[dict], records: list[dict]) -> list[dict]:
+    """Entries that select records of this run yet explained none of them: the backend
+    no longer deviates there (or the entry is wrong), and the entry should go."""
+    out = []
+    for entry in entries:
+        selected = [r for r in records if applies(entry, r)]
+        used = any(r["status"] == "deviation" and r.get("reason") == entry["reason"]
+                   and matches(entry, r) for r in selected)
+        if selected and not used:
+            out.append(entry)
+    return out

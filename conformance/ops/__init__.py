@@ -1,0 +1,13 @@
+"""One comparison routine per op: build the inputs in the dtype under test, call the
+backend through the guarded context, compute the oracle on the very same (rounded)
+inputs, and compare every output and gradient under the tolerance table's bound.
+
+norms.py: LayerNorm and RMSNorm; qk.py: QK-norm scores; batch_norm.py: a BatchNorm
+layer driven step by step. The scales and bounds come from tolerances.py; each routine
+also writes the oracle's side of the repro snippet, so a failure's repro compares."""
+
+from .batch_norm import BatchNormDriver
+from .norms import layer_norm_case, rms_norm_case
+from .qk import qk_scores_case
+
+__all__ = ["BatchNormDriver", "layer_norm_case", "qk_scores_case", "rms_norm_case"]

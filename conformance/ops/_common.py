@@ -1,0 +1,43 @@
+"""What the op routines share: float64 views of the built inputs, the output shapes the
+protocol requires, and the dL/dgamma, dL/dbeta comparison."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..tolerances import bound, param_grad_scales
+
+
+def f64(a):
+    return None if a is None else np.asarray(a).astype(np.float64)
+
+
+def outputs_like(x, *, grads: bool, param_shape=None, weight=False, bias=False) -> dict:
+    """The (shape, dtype) of each Result field the call must return."""
+    out = {"output": (x.shape, x.dtype)}
+    if grads:
+        out["grad_input"] = (x.shape, x.dtype)
+        if weight:
+            out["grad_weight"] = (param_shape, x.dtype)
+        if bias:
+            out["grad_bias"] = (param_shape, x.dtype)
+    return out
+
+
+def compare_param_grads(ctx, code, prefix, g64, x_hat, sum_axes, expected_w, expected_b, res,
+                        kappa, bias_kappa=1.0) -> None:
+    """dL/dgamma, dL/dbeta: sums over `sum_axes` of terms that each carry the forward's
+    error, so the growth covers both reductions: n = every element of g. `prefix` names
+    the quantities ("layer_norm", "batch_norm.train")."""
+    n = g64.size
+    w_scale, b_scale = param_grad_scales(g64, x_hat, sum_axes)
+    if expected_w is not None:
+        ctx.conforms(expected=expected_w, actual=res.grad_weight, scale=w_scale,
+                     bound=bound("param_gradient", ctx.dtype, n, np.max(kappa)),
+                     quantity=f"{prefix}.grad_weight", call=code)
+        ctx.oracle("show(result.grad_weight, expected_grads[1], name='grad_weight')")
+    if expected_b is not None:
+        ctx.conforms(expected=expected_b, actual=res.grad_bias, scale=b_scale,
+                     bound=bound("param_gradient", ctx.dtype, n, bias_kappa),
+                     quantity=f"{prefix}.grad_bias", call=code)
+        ctx.oracle("show(result.grad_bias, expected_grads[2], name='grad_bias')")

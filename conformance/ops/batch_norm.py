@@ -1,0 +1,224 @@
+"""F1/F4/F5 BatchNorm: a backend layer driven step by step beside the oracle's pure
+functions."""
+
+from __future__ import annotations
+
+import normspec.spec as spec
+import numpy as np
+
+from ..assertions import CheckFailure
+from ..tolerances import (
+    bound,
+    centred_output_scale,
+    centring_kappa,
+    grad_input_scale,
+    running_stat_scales,
+    shift_kappa,
+)
+from ._common import compare_param_grads, f64
+
+
+def _layout(x64):
+    """Reduction axes (all but the channel axis 1) and the broadcast shape of a channel."""
+    return (0,) + tuple(range(2, x64.ndim)), (1, x64.shape[1]) + (1,) * (x64.ndim - 2)
+
+
+class BatchNormDriver:
+    """A backend BatchNorm layer driven step by step beside the oracle.
+
+    Every step compares the output (and gradients, and running statistics) with the
+    oracle, which starts each step from the statistics the backend actually holds, so
+    one step's error is judged at a time and rounding does not accumulate. The repro
+    snippet gets the same steps, each followed by the oracle's answer and a comparison.
+
+    A declared `running_var_estimator = "biased"` is a convention the spec does not
+    share: a running variance that misses the spec's unbiased update but meets the
+    biased one makes the case a deviation (with the declared reason), not a fail."""
+
+    def __init__(self, ctx, num_features, *, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, weight=None, bias=None, compare_stats=True,
+                 defer_stats=False):
+        self.ctx, self.eps, self.momentum = ctx, eps, momentum
+        self.compare_stats = compare_stats
+        # defer_stats: a running-statistics failure is kept (raise_deferred) instead of
+        # raised, so that it does not hide the comparisons of the steps after it
+        self.defer_stats, self.deferred = defer_stats, []
+        self.affine, self.track = affine, track_running_stats
+        # registered even when None, so the repro defines every name it uses
+        self.w, self.b = ctx.use(weight=weight if affine else None, bias=bias if affine else None)
+        self.steps = 0
+        code = (f"layer = backend.batch_norm({num_features}, eps={eps!r}, momentum={momentum!r}, "
+                f"affine={affine}, track_running_stats={track_running_stats}, "
+                f"dtype={ctx.dtype_name!r}, weight=weight, bias=bias)")
+        self.layer = ctx.call(code, lambda: ctx.backend.batch_norm(
+            num_features, eps=eps, momentum=momentum, affine=affine,
+            track_running_stats=track_running_stats, dtype=ctx.dtype, weight=self.w, bias=self.b))
+        self.e = ctx.effective(eps, "eps")
+        self.a = ctx.effective(momentum, "momentum")
+        self.rm, self.rv = self._stats("initial")
+
+    # ------------------------------------------------------------ state
+    def _stats(self, when):
+        rm, rv = self.layer.running_mean, self.layer.running_var
+        if not self.track:
+            self.ctx.holds(condition=rm is None and rv is None,
+                           got=f"running statistics {rm!r}, {rv!r} ({when})",
+                           spec_says="none are kept with track_running_stats=False",
+                           call="layer.running_mean, layer.running_var")
+            return None, None
+        for name, v in (("running_mean", rm), ("running_var", rv)):
+            if not isinstance(v, np.ndarray) or v.dtype not in spec.FLOAT_DTYPES:
+                raise CheckFailure(f"got layer.{name} = {v!r} ({when}), but the protocol says a "
+                                   f"floating NumPy array [layer.{name}]")
+        return rm.copy(), rv.copy()
+
+    @property
+    def training_flag(self):
+        return bool(getattr(self.layer, "training", True))
+
+    def set_mode(self, training: bool):
+        self.ctx.call("layer.train()" if training else "layer.eval()",
+                      self.layer.train if training else self.layer.eval)
+
+    # ------------------------------------------------------------ one step
+    def step(self, name, x_recipe, *, mode, grad=None, what=None, check_output=True):
+        """One forward: mode "train", "eval" or "no_grad" (a no-grad forward in whatever
+        mode the layer is in: `training` says which). Returns the backend's output.
+        `what` describes the output in the message (its quantity id stays the same)."""
+        ctx = self.ctx
+        xa = ctx.use(**{name: x_recipe})
+        g = ctx.use(**{f"{name}_grad": grad}) if grad is not None else None
+        x64 = f64(xa)
+        training = mode == "train" or (mode == "no_grad" and self.training_flag)
+        use_batch = training or not self.track
+        phase = "train" if use_batch else "eval"
+        refusable = self.eps == 0 and not ctx.accepts_eps_zero("batch_norm") and training
+        if self.track:
+            ctx.oracle("rm, rv = layer.running_mean, layer.running_var")
+        if mode == "no_grad":
+            code = f"out = layer.forward_no_grad({name})"
+            out = ctx.call(code, self.layer.forward_no_grad, xa,
+                           outputs_like={"output": (xa.shape, xa.dtype)}, refusable=refusable)
+            res, got_name = None, "out"
+        else:
+            code = f"result = layer.forward({name}" + \
+                (f", grad_output={name}_grad)" if g is not None else ")")
+            like = {"output": (xa.shape, xa.dtype)}
+            if g is not None:
+                like["grad_input"] = (xa.shape, xa.dtype)
+            res = ctx.call(code, self.layer.forward, xa, g, outputs_like=like, refusable=refusable)
+            out, got_name = res.output, "result.output"
+        w64, b64 = f64(self.w), f64(self.b)
+        axes, bshape = _layout(x64)
+        if use_batch:
+            keeps = training and self.track
+            expected, rm, rv = spec.batch_norm_train(
+                x64, f64(self.rm) if keeps else None, f64(self.rv) if keeps else None,
+                w64, b64, self.a, self.e, num_batches_tracked=self.steps)
+            mean, var, n = x64.mean(axis=axes), x64.var(axis=axes), x64.size // x64.shape[1]
+            kappa = centring_kappa(x64, axes, self.e)
+            stats = "rm, rv" if keeps else "None, None"
+            ctx.oracle(f"expected, new_rm, new_rv = spec.batch_norm_train({name}, {stats}, weight, "
+                       f"bias, {self.a!r}, {self.e!r}, num_batches_tracked={self.steps})")
+        else:
+            expected = spec.batch_norm_eval(x64, f64(self.rm), f64(self.rv), w64, b64, self.e)
+            mean, var, n, rm, rv = f64(self.rm), f64(self.rv), 1, None, None
+            kappa = shift_kappa(mean.reshape(bshape), var.reshape(bshape), self.e)
+            ctx.oracle(f"expected = spec.batch_norm_eval({name}, rm, rv, weight, bias, {self.e!r})")
+        x_hat = (x64 - mean.reshape(bshape)) / np.sqrt(var.reshape(bshape) + self.e)
+        gamma = np.abs(w64).reshape(bshape) if w64 is not None else 1.0
+        beta = np.abs(b64).reshape(bshape) if b64 is not None else 0.0
+        if check_output:
+            ctx.oracle(f"show({got_name}, expected, name='output')")
+            ctx.conforms(expected=expected, actual=out,
+                         scale=centred_output_scale(x_hat, gamma, beta, axes),
+                         bound=bound("output", ctx.dtype, n, kappa),
+                         quantity=f"batch_norm.{phase}.output", what=what, call=code)
+        if g is not None:
+            self._compare_grads(code, name, x64, f64(g), res, use_batch, mean, var, n, kappa)
+        if training and self.track:
+            self.steps += 1
+            self._compare_stats(rm, rv, x64, n, code)
+            self._compare_count(code)
+        elif self.track:
+            self._compare_count(code)
+            new_rm, new_rv = self._stats(f"after {mode} forward")
+            for nm, before, after in (("running_mean", self.rm, new_rm),
+                                      ("running_var", self.rv, new_rv)):
+                ctx.holds(condition=np.array_equal(before, after, equal_nan=True),
+                          got=f"{nm} changed by an eval-mode forward",
+                          spec_says="eval uses the running statistics and leaves them alone (F5)",
+                          call=code)
+        return out
+
+    # ------------------------------------------------------------ comparisons
+    def _compare_grads(self, code, name, x64, g64, res, use_batch, mean, var, n, kappa):
+        """Every gradient against the oracle's VJP: the training one where the batch's
+        statistics normalize (they depend on x), the eval one where the running ones do
+        (constants: dL/dx = gamma g r, no reduction)."""
+        ctx = self.ctx
+        w64, b64 = f64(self.w), f64(self.b)
+        axes, bshape = _layout(x64)
+        r = 1.0 / np.sqrt(var.reshape(bshape) + self.e)
+        x_hat = (x64 - mean.reshape(bshape)) * r
+        h = np.abs(g64 * (w64.reshape(bshape) if w64 is not None else 1.0))
+        if use_batch:
+            gx, gw, gb = spec.batch_norm_train_vjp(x64, g64, w64, b64, self.e)
+            scale = grad_input_scale(r, h, x_hat, axes, centre=True)
+            gx_bound, bias_kappa = bound("gradient", ctx.dtype, n, kappa), np.max(kappa)
+            ctx.oracle(f"expected_grads = spec.batch_norm_train_vjp({name}, {name}_grad, weight, "
+                       f"bias, {self.e!r})")
+        else:
+            gx, gw, gb = spec.batch_norm_eval_vjp(x64, g64, mean, var, w64, b64, self.e)
+            # the channel's largest |gamma g r|: the group's scale, as for every quantity
+            scale = r * np.max(h, axis=axes, keepdims=True)
+            # dL/dbeta = sum g whatever the statistics: nothing is centred in it
+            gx_bound, bias_kappa = bound("eval_gradient", ctx.dtype, 1), 1.0
+            ctx.oracle(f"expected_grads = spec.batch_norm_eval_vjp({name}, {name}_grad, rm, rv, "
+                       f"weight, bias, {self.e!r})")
+        phase = "train" if use_batch else "eval"
+        ctx.oracle("show(result.grad_input, expected_grads[0], name='grad_input')")
+        ctx.conforms(expected=gx, actual=res.grad_input, scale=scale, bound=gx_bound,
+                     quantity=f"batch_norm.{phase}.grad_input", call=code)
+        compare_param_grads(ctx, code, f"batch_norm.{phase}", g64, x_hat, axes, gw, gb, res,
+                            kappa, bias_kappa=bias_kappa)
+
+    def _compare_count(self, code):
+        """num_batches_tracked, where the layer exposes one: the training forwards so far."""
+        count = getattr(self.layer, "num_batches_tracked", None)
+        if count is None:
+            return
+        self.ctx.holds(condition=int(count) == self.steps,
+                       got=f"layer.num_batches_tracked = {count}",
+                       spec_says=f"{self.steps}, one per training forward with running "
+                                 f"statistics (F4)", call=code)
+
+    def _compare_stats(self, rm_ref, rv_ref, x64, count, code):
+        ctx = self.ctx
+        old_rm, old_rv = f64(self.rm), f64(self.rv)
+        self.rm, self.rv = self._stats("after a training forward")
+        if not self.compare_stats:
+            return
+        a = 1.0 / self.steps if self.a is None else self.a
+        axes, _ = _layout(x64)
+        rm_scale, rv_scale = running_stat_scales(old_rm, old_rv, x64, count, a, axes)
+        # the declared biased estimator's update, which the spec does not share (F4)
+        biased = [((1 - a) * old_rv + a * x64.var(axis=axes), "running_var_estimator")] \
+            if ctx.convention("running_var_estimator") == "biased" else []
+        for nm, ref, got, sc, explained, var in (
+                ("running_mean", rm_ref, self.rm, rm_scale, [], "new_rm"),
+                ("running_var", rv_ref, self.rv, rv_scale, biased, "new_rv")):
+            ctx.oracle(f"show(layer.{nm}, {var}, name='{nm}')")
+            try:
+                ctx.conforms(expected=ref, actual=got, dtype=got.dtype, scale=sc,
+                             bound=bound("running_stat", got.dtype, count),
+                             quantity=f"batch_norm.{nm}", call=code, explained=explained)
+            except CheckFailure as exc:
+                if not self.defer_stats:
+                    raise
+                self.deferred.append(exc)
+
+    def raise_deferred(self):
+        """Raise the first running-statistics failure that defer_stats kept, if any."""
+        if self.deferred:
+            raise self.deferred[0]
