@@ -5,18 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
+from normspec.impls.protocol import np_dtype
 from normspec.spec import round_to
 
-DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
-
-
-def dtype_of(name) -> np.dtype:
-    """np.dtype for a name, bfloat16 included (ml_dtypes)."""
-    if isinstance(name, str) and name == "bfloat16":
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+dtype_of = np_dtype  # np.dtype for a name, bfloat16 included
 
 
 @dataclass(frozen=True)
@@ -86,7 +79,9 @@ def repro_snippet(*, backend_source: str, dtype_name: str, inputs: dict[str, obj
         "from normspec.conformance.cases import ArraySpec, Literal",
         "from normspec.conformance.repro import show",
         "from normspec.impls.registry import load",
-        f"backend = load({backend_source!r}).backend",
+        f"loaded = load({backend_source!r})",
+        "assert loaded.available, loaded.error",
+        "backend = loaded.backend",
     ]
     for name, recipe in inputs.items():
         lines.append(f"{name} = {recipe.code(dtype_name) if recipe is not None else 'None'}")

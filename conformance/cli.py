@@ -268,6 +268,10 @@ def print_summary(doc: dict, out=None) -> int:
         rows.append([b["name"], b["version"], *[c.get(s, 0) for s in results.STATUSES], verdict])
     print(file=out)
     _print_table(rows, out)
+    for b in doc["backends"]:
+        for entry in b.get("stale_deviations", []):
+            print(f"\nstale deviation entry of {b['name']}: {entry} (it selects records of this "
+                  "run but explained none: the backend no longer deviates there)", file=out)
     bad = [r for r in doc["records"] if r["status"] in results.FAILING]
     if bad:
         print(f"\n{len(bad)} failing record(s):", file=out)

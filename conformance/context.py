@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, given, seed, settings
+from normspec.impls.protocol import compute_dtype
 from normspec.spec import round_to
 
 from .assertions import (
@@ -32,7 +33,7 @@ from .assertions import (
 )
 from .cases import repro_snippet
 from .results import Record
-from .tolerances import compute_dtype, unit_roundoff
+from .tolerances import unit_roundoff
 
 #: Shrinking re-runs a failing backend many times; it is opt-in (--shrink). Every drawn
 #: example is a printable recipe, so an unshrunk failure replays just as well.

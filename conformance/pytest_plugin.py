@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import pytest
 
-from . import runner
+from . import deviations, runner
 from .worker import Worker
 
 _WORKERS: dict[str, Worker] = {}
+_SEEN: dict[str, tuple[list, list]] = {}  # per backend: (deviations, records) for the end
 
 
 def pytest_addoption(parser):
@@ -52,11 +53,20 @@ class NormspecItem(pytest.Item):
         self.records = self.worker.execute(self.check.id, self.dtype, seed=opt("normspec_seed"),
                                            examples=opt("normspec_examples"), shrink=False,
                                            timeout=opt("normspec_timeout"))
+        _SEEN.setdefault(self.worker.requested, (self.worker.deviations, []))[1].extend(
+            self.records)
         bad = [r for r in self.records if r["status"] in ("fail", "error")]
         if bad:
             raise NormspecFailure("\n\n".join(
                 f"[{r['status']}] {r['case']}: {r['message']}\n--- repro ---\n{r['repro']}"
                 for r in bad))
+        # strict xfail: an entry written for this check that explains nothing here is
+        # stale, so a fixed backend is noticed (entries without a check: see the summary)
+        named = [d for d in self.worker.deviations if d.get("check")]
+        for entry in deviations.stale(named, self.records):
+            raise NormspecFailure(f"[XPASS(strict)] the documented deviation {entry} explains "
+                                  "no record of this check: the backend no longer deviates "
+                                  "here; remove the entry")
         statuses = {r["status"] for r in self.records}
         if statuses == {"unsupported"}:
             pytest.skip(f"unsupported: {self.records[0]['message']}")
@@ -99,6 +109,13 @@ def pytest_collection_modifyitems(session, config, items):
                 items.append(NormspecItem.from_parent(
                     session, name=f"{worker.entry['name']}::{check.id}[{dtype}]", worker=worker,
                     check=check, dtype=dtype))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for requested, (entries, records) in _SEEN.items():
+        for entry in deviations.stale([d for d in entries if not d.get("check")], records):
+            terminalreporter.write_line(f"normspec: stale deviation entry of {requested}: {entry} "
+                                        "(it selects records of this session but explained none)")
 
 
 def pytest_sessionfinish(session, exitstatus):

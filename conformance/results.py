@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from normspec.impls.protocol import DTYPES  # noqa: F401 - the dtypes a record names, in order
 
 SCHEMA = "normspec-results"
 VERSION = 2
@@ -74,7 +75,7 @@ RECORD_KEYS = {"backend": str, "check": str, "claim": str, "op": str, "dtype": s
 BACKEND_KEYS = {"name": str, "available": bool, "run": str}
 #: What a reader may assume of the optional keys, filled in where a file lacks them.
 BACKEND_DEFAULTS = {"source": "", "version": "", "error": None, "capabilities": {},
-                    "conventions": {}, "deviations": []}
+                    "conventions": {}, "deviations": [], "stale_deviations": []}
 RUN_DEFAULTS = {"created": "", "seed": None, "host": "", "cpu": "", "platform": "",
                 "python": "", "versions": {}, "argv": [], "complete": True, "stopped_by": "",
                 "not_reached": []}

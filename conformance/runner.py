@@ -18,14 +18,15 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from importlib import metadata
 
-from . import results, tolerances
-from .cases import DTYPE_NAMES
+from normspec.impls.protocol import DTYPES
+
+from . import deviations, results, tolerances
 from .checks import Check, all_checks
 from .results import Record
 from .unit import backend_entry, run_check
 from .worker import Worker
 
-DEFAULT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+DEFAULT_DTYPES = DTYPES
 VERSIONED_PACKAGES = ("normspec", "numpy", "ml_dtypes", "hypothesis", "torch", "jax", "flax",
                       "jaxlib", "numba", "triton")
 
@@ -96,8 +97,8 @@ def plan(backends: list[str], checks: list[Check], dtypes: list[str]) -> list[tu
 def check_dtypes(dtypes: Iterable[str]) -> list[str]:
     dtypes = list(dtypes)
     for d in dtypes:
-        if d not in DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {d!r}; choose from {', '.join(DTYPE_NAMES)}")
+        if d not in DTYPES:
+            raise ValueError(f"unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
     return dtypes
 
 
@@ -236,6 +237,9 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
         pool.shutdown(wait=True, cancel_futures=True)
     for unit in [k for k in state.records if k[1] == "load"] + units:
         doc["records"].extend(state.records.get(unit, []))
+    for entry in doc["backends"]:
+        mine = [r for r in doc["records"] if r["backend"] == entry["name"]]
+        entry["stale_deviations"] = deviations.stale(entry.get("deviations", []), mine)
     run_doc = doc["runs"][0]
     not_reached = [list(u) for u in units if u not in state.done]
     run_doc.update(duration_s=round(time.perf_counter() - start, 1), planned=len(units),

@@ -6,7 +6,6 @@ to the dtype under test, so the backend and the oracle see the same representabl
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
@@ -15,9 +14,6 @@ from .cases import ArraySpec
 #: Hidden sizes: d = 1, small odd sizes, sizes that are not powers of two, and powers of two.
 HIDDEN_SIZES = (1, 2, 3, 5, 7, 31, 64, 100, 127, 384, 1000, 1023)
 
-float_dtypes = st.sampled_from(
-    [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64)]
-)
 
 finite_scalars = st.floats(min_value=-1e3, max_value=1e3, allow_nan=False, allow_infinity=False)
 

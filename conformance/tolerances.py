@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-
-HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+from normspec.impls.protocol import compute_dtype, np_dtype
 
 
 @dataclass(frozen=True)
@@ -84,12 +83,7 @@ _UNIT_ROUNDOFF = {
 
 
 def unit_roundoff(dtype) -> float:
-    return _UNIT_ROUNDOFF[np.dtype(dtype)]
-
-
-def compute_dtype(dtype) -> np.dtype:
-    """The precision a conforming kernel computes half-precision inputs in (float32)."""
-    return np.dtype(np.float32) if np.dtype(dtype) in HALF else np.dtype(dtype)
+    return _UNIT_ROUNDOFF[np_dtype(dtype)]
 
 
 def bound(quantity: str, dtype, n: int, kappa=1.0):

@@ -22,15 +22,18 @@ import numpy as np
 from ._running import RunningStats, RunningStatsLayer
 from .protocol import (
     DTYPES,
+    HALF_DTYPES,
     Backend,
     BackendUnavailable,
     Capabilities,
     Conventions,
     Result,
+    compute_dtype,
+    np_dtype,
 )
 
 FASTMATH = {"reassoc", "contract", "nsz"}
-HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+HALF = tuple(np_dtype(name) for name in HALF_DTYPES)
 _FMT = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1}
 
 try:
@@ -307,10 +310,6 @@ def _kernels():
 _kernels.cache = None
 
 
-def _ct(dtype):
-    return np.dtype(np.float32) if np.dtype(dtype) in HALF else np.dtype(dtype)
-
-
 def _rows(a, d, ct):
     return np.ascontiguousarray(a, dtype=ct).reshape(-1, d)
 
@@ -371,7 +370,7 @@ class NumbaBackend(Backend):
         return y16, mean, rstd
 
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):
-        ct, d = _ct(x.dtype), int(np.prod(normalized_shape))
+        ct, d = compute_dtype(x.dtype), int(np.prod(normalized_shape))
         if x.dtype in HALF and grad_output is None:
             # the kernel reads and writes the 16-bit values itself: no float32 copies
             x16 = np.ascontiguousarray(x).reshape(-1, d).view(np.uint16)
@@ -429,7 +428,7 @@ class NumbaBackend(Backend):
         return forward_backward
 
     def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
-        ct, d = _ct(q.dtype), q.shape[-1]
+        ct, d = compute_dtype(q.dtype), q.shape[-1]
         # q_hat and k_hat are stored in the input dtype, as a model's RMSNorm output would be
         q_hat = self.rms_norm(q, (d,), q_weight, eps).output.astype(ct)
         k_hat = self.rms_norm(k, (d,), k_weight, eps).output.astype(ct)
@@ -444,7 +443,7 @@ class NumbaBackend(Backend):
 class NumbaBatchNorm(RunningStatsLayer):
     def __init__(self, k, c, eps, momentum, affine, track, dtype, weight, bias):
         self.k, self.eps, self.momentum, self.dtype = k, eps, momentum, dtype
-        self.ct = _ct(dtype)
+        self.ct = compute_dtype(dtype)
         self.affine = affine
         self.w = _param(weight if affine else None, c, np.float64, 1.0)
         self.b = _param(bias if affine else None, c, np.float64, 0.0)

@@ -9,17 +9,10 @@ that consulted the oracle would be checking itself.
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from ._running import RunningStats, RunningStatsLayer
-from .protocol import DTYPES, OPS, Backend, Capabilities, Conventions, Result
-
-HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-
-
-def compute_dtype(dtype) -> np.dtype:
-    return np.dtype(np.float32) if np.dtype(dtype) in HALF else np.dtype(dtype)
+from .protocol import DTYPES, OPS, Backend, Capabilities, Conventions, Result, compute_dtype
 
 
 def _up(a, ct):

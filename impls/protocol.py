@@ -26,10 +26,26 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 OPS = ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm", "softcap")
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: The dtypes arrays cross the boundary in, in the order runs and reports list them.
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+#: The half-precision ones: a conforming kernel computes them in float32.
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def np_dtype(name) -> np.dtype:
+    """The NumPy dtype for a name of DTYPES (bfloat16 is ml_dtypes')."""
+    return np.dtype(ml_dtypes.bfloat16) if str(name) == "bfloat16" else np.dtype(name)
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """The precision a conforming kernel computes `dtype` inputs in: float32 for the
+    half dtypes, the dtype itself otherwise."""
+    dt = np_dtype(dtype)
+    return np.dtype(np.float32) if dt.name in HALF_DTYPES else dt
 
 
 class BackendUnavailable(RuntimeError):

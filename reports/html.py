@@ -117,7 +117,7 @@ def bench_plot(doc) -> str | None:
 
 def build_context(doc: dict) -> dict:
     columns = _column_keys(doc)
-    dtypes = [d for d in ("float32", "float16", "bfloat16", "float64")
+    dtypes = [d for d in results.DTYPES
               if any(r["dtype"] == d for r in doc["records"])]
     cells = defaultdict(lambda: defaultdict(list))
     titles = {}

@@ -293,6 +293,12 @@ class _EvalBatchStatsLayer(NumpyBatchNorm):
         return True
 
 
+class _FlippedBiasedLayer(_BiasedVarLayer):
+    def update_running(self, mu, sum_sq, m):
+        self.stats.momentum = 1.0 - self.momentum
+        super().update_running(mu, sum_sq, m)
+
+
 class _NoSingleValueErrorLayer(NumpyBatchNorm):
     def forward(self, x, grad_output=None):
         if x.size // x.shape[1] == 1 and self.training:
@@ -440,6 +446,41 @@ class NoGradSkipsUpdate(OracleBackend):
         return _NoGradSkipsLayer(num_features, eps, momentum, affine, track_running_stats,
                                  np.dtype(dtype), weight, bias)
 
+
+
+# ---------------------------------------------------------------- conventions
+class DeclaresFloat32Parameters(NumpyBackend):
+    """Declares eps held in float32 (as ONNX attributes are) but uses it as given."""
+
+    conventions = Conventions(parameter_dtype="float32")
+
+
+class Float32EpsUndeclared(NumpyBackend):
+    """Holds eps in float32 in float64 too, and does not say so."""
+
+    def inv_std(self, var, eps):
+        return 1.0 / np.sqrt(var + var.dtype.type(np.float32(eps)))
+
+
+class Float32EpsDeclared(Float32EpsUndeclared):
+    """The same, declared: the oracle is evaluated at float32(eps) and the records say so."""
+
+    conventions = Conventions(parameter_dtype="float32")
+
+
+#: the biased running variance, declared as a convention with its reason
+BiasedDeclared = _bn_backend(_BiasedVarLayer, conventions=Conventions(
+    running_var_estimator="biased",
+    reasons={"running_var_estimator": "stores sum (x - mu)^2 / m, as ONNX Runtime does"}))
+#: declared biased, and also a real bug the declaration does not explain
+BiasedDeclaredFlippedMomentum = _bn_backend(_FlippedBiasedLayer, conventions=Conventions(
+    running_var_estimator="biased"))
+#: declares that it trains on one value per channel, and does
+OneValueDeclared = _bn_backend(_NoSingleValueErrorLayer, conventions=Conventions(
+    single_value_batch="accepts"))
+#: declares that it trains on one value per channel, but raises
+OneValueDeclaredButRaises = _bn_backend(NumpyBatchNorm, conventions=Conventions(
+    single_value_batch="accepts"))
 
 
 # each broken backend reports under its own name (the class name) in results and reports

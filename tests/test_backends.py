@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from normspec.conformance import cli
 from normspec.impls import registry
+from normspec.impls.protocol import DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = ["numpy", "torch", "jax"]
@@ -114,7 +115,7 @@ def test_E4_micro_batches_update_twice(backend):
         np.testing.assert_allclose(micro.running_var, [1.0], rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_adapters_keep_the_dtype(backend, dtype):
     from normspec.conformance.cases import dtype_of
 

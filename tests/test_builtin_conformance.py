@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 from normspec.conformance import runner
-
-DTYPES = ["float32", "float16", "bfloat16", "float64"]
+from normspec.impls.protocol import DTYPES
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 from normspec.conformance import runner
 from normspec.conformance.checks import all_checks
 from normspec.impls.numpy_ref import NumpyBackend
+from normspec.impls.protocol import DTYPES
 from normspec.impls.registry import LoadedBackend
 from oracle_backend import OracleBackend
 
@@ -54,11 +55,14 @@ CATCHES = {
     "F4.declared_estimator": (bb.BiasedRunningVar, "float32"),
     "F4.momentum_meaning": (bb.FlippedMomentum, "float32"),
     "protocol.eps_zero": (bb.DeclaresRefusalButAccepts, "float32"),
+    "protocol.parameter_dtype": (bb.DeclaresFloat32Parameters, "float64"),
 }
 
 # the issue's list of defects, each with a check that catches it; and a backend that
 # ignores a parameter, for each parameter docs/coverage.md shows a check varying
 DEFECTS = {
+    "eps held in float32 in float64, undeclared": (bb.Float32EpsUndeclared,
+                                                   "protocol.parameter_dtype", "float64"),
     "variance as E[x^2] - E[x]^2": (bb.NaiveVariance, "B1.layer_norm_shift", "float32"),
     "eps outside the sqrt": (bb.EpsOutsideSqrt, "B2.layer_norm_scale", "float32"),
     "a biased running variance": (bb.BiasedRunningVar, "F4.running_stats", "float32"),
@@ -100,7 +104,7 @@ def test_check_catches_its_broken_backend(check_id):
 
 
 @pytest.mark.parametrize("check_id", sorted(CATCHES))
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_check_passes_on_the_oracle(check_id, dtype):
     records = run(OracleBackend(), check_id, dtype)
     assert records or CHECKS[check_id].dtypes is not None  # only a dtype-restricted check is empty
@@ -109,7 +113,7 @@ def test_check_passes_on_the_oracle(check_id, dtype):
 
 
 @pytest.mark.parametrize("check_id", sorted(CATCHES))
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_check_passes_on_the_numpy_backend(check_id, dtype):
     records = run(NumpyBackend(), check_id, dtype)
     # numpy has no no-grad switch (no_grad_mode = False): B6 and the matrices' no-grad

@@ -38,3 +38,17 @@ def test_unsupported_is_a_visible_skip(tmp_path):
                       "B6.no_grad_still_updates")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "SKIPPED" in proc.stdout and "no_grad_mode = False" in proc.stdout
+
+
+def test_a_stale_deviation_fails_strictly(tmp_path):
+    proc = run_pytest(tmp_path, "--normspec-backend", "test_conventions:Documented",
+                      "--normspec-check", "F2.values")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "XPASS(strict)" in proc.stdout and "no longer deviates" in proc.stdout
+
+
+def test_a_declared_convention_is_an_xfail_with_its_reason(tmp_path):
+    proc = run_pytest(tmp_path, "--normspec-backend", "broken_backends:BiasedDeclared",
+                      "--normspec-check", "F4.running_stats", "-rx")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "1 xfailed" in proc.stdout and "running_var_estimator" in proc.stdout

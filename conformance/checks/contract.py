@@ -5,6 +5,7 @@ running-variance estimator, eps = 0 acceptance, momentum meaning."""
 
 from __future__ import annotations
 
+import normspec.spec as spec
 import numpy as np
 
 from ..cases import ArraySpec, Literal
@@ -94,3 +95,36 @@ def eps_zero(ctx):
                          spec_says=("the backend declared it accepts eps = 0" if accepts else
                                     "the backend declared it refuses eps = 0"),
                          call=code)
+
+
+@check("protocol.parameter_dtype", title="eps is held in the precision the backend declares "
+       "(parameter_dtype): float64 rows where float32(eps) moves the output by 1e6 ULPs",
+       ops=(), dtypes=("float64",))
+def parameter_dtype(ctx):
+    declared = ctx.convention("parameter_dtype") or "float64"
+    # var = 1e-5 = eps: the output's relative change from float32(eps) is about 1e-9
+    x = Literal(values=((0.0, 2 * 0.0031622776601683794), (1.0, 1.0 + 2 * 0.0031622776601683794)))
+    for op in ("layer_norm", "rms_norm"):
+        if not ctx.backend.capabilities.supports(op, ctx.dtype_name):
+            continue
+        with ctx.case(f"{op}, eps = 1e-5, declared {declared}", op=op):
+            xa = ctx.use(x=x)
+            eps = 1e-5
+            if op == "layer_norm":
+                code = f"result = backend.layer_norm(x, (2,), None, None, {eps!r})"
+                got = ctx.call(code, ctx.backend.layer_norm, xa, (2,), None, None, eps).output
+                at = {p: spec.layer_norm(xa, (2,), eps=float(spec.round_to(eps, p)))
+                      for p in ("float32", "float64")}
+            else:
+                code = f"result = backend.rms_norm(x, (2,), None, {eps!r})"
+                got = ctx.call(code, ctx.backend.rms_norm, xa, (2,), None, eps).output
+                at = {p: spec.rms_norm(xa, (2,), eps=float(spec.round_to(eps, p)))
+                      for p in ("float32", "float64")}
+            errors = {p: float(np.max(np.abs(got - ref) / np.abs(ref).max())) for p, ref in at.items()}
+            observed = min(errors, key=errors.get)
+            ctx.oracle(*(f"print('{p}:', spec.{op}(x, (2,), eps=float(spec.round_to({eps!r}, "
+                         f"'{p}'))), 'got', result.output)" for p in at))
+            ctx.holds(condition=observed == declared and errors[observed] < 1e-12,
+                      got=f"an output that matches eps held in {observed} (relative error "
+                          f"{errors[observed]:.3g}; in the other precision {max(errors.values()):.3g})",
+                      spec_says=f"the backend declared parameter_dtype = {declared}", call=code)

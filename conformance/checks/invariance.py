@@ -25,7 +25,7 @@ def shift_for(dtype) -> float:
 def _call(ctx, op, x, shape, eps, tag):
     fn = getattr(ctx.backend, op)
     args = (x, shape, None, None, eps) if op == "layer_norm" else (x, shape, None, eps)
-    code = f"{tag} = backend.{op}({'x' if tag == 'shifted' else tag}, {shape!r}, " + \
+    code = f"{tag}_out = backend.{op}({'x' if tag == 'shifted' else tag}, {shape!r}, " + \
            ("None, None, " if op == "layer_norm" else "None, ") + f"{eps!r}).output"
     return ctx.call(code, fn, *args, outputs_like={"output": (x.shape, x.dtype)}).output
 
@@ -43,9 +43,11 @@ def layer_norm_shift(ctx):
             # x - c is exact (Sterbenz): the backend must give the same rows back
             unshifted = (shifted.astype(np.float64) - c).astype(ctx.dtype)
             assert np.array_equal(unshifted.astype(np.float64) + c, shifted.astype(np.float64))
-            ctx.calls.append(f"unshifted = (x.astype(np.float64) - {c!r}).astype(x.dtype)")
+            ctx.oracle(f"unshifted = (x.astype(np.float64) - {c!r}).astype(x.dtype)")
             got_shifted = _call(ctx, "layer_norm", shifted, shape[-1:], 1e-5, "shifted")
             got_plain = _call(ctx, "layer_norm", unshifted, shape[-1:], 1e-5, "unshifted")
+            ctx.oracle("show(shifted_out, unshifted_out.astype(np.float64), "
+                       "name='output of x + c, against that of x')")
             x64 = shifted.astype(np.float64)
             kappa = centring_kappa(x64, (-1,), 1e-5)
             row_scale = np.abs(spec.layer_norm(x64, shape[-1:], eps=1e-5)).max(-1, keepdims=True)
@@ -64,13 +66,13 @@ def rms_norm_shift(ctx):
             shape = (4, 64)
             base = ArraySpec(shape, ctx.seed, 0.0, 1.0)
             rms_norm_case(ctx, x=ArraySpec(shape, ctx.seed, c, 1.0),
-                                         normalized_shape=(64,), eps=1e-6)
+                          normalized_shape=(64,), eps=1e-6)
             shifted_out = _call(ctx, "rms_norm", ctx.inputs["x"].build(ctx.dtype), (64,), 1e-6,
                                 "shifted")
             plain = spec.rms_norm(base.build(ctx.dtype), (64,), eps=1e-6)
             ctx.differs(first=plain, second=shifted_out, scale=1.0,
-                           at_least=float(bound("output", ctx.dtype, 64)),
-                           what="rms_norm(x + c) and rms_norm(x)", call="shifted vs plain")
+                        at_least=float(bound("output", ctx.dtype, 64)),
+                        what="rms_norm(x + c) and rms_norm(x)", call="shifted vs plain")
 
 
 def _scale_cases(ctx, op):
@@ -88,6 +90,9 @@ def _scale_cases(ctx, op):
                 # the oracle at the rescaled eps on the unscaled rows
                 e = ctx.effective(eps, "eps")
                 expected = np.sign(sign) * ref_fn(xa64 / (sign * a), (d,), eps=e / a**2)
+                ctx.oracle(f"expected = {sign!r} * spec.{op}(x_scaled.astype(np.float64) / "
+                           f"{sign * a!r}, ({d},), eps={e / a**2!r})",
+                           "show(x_scaled_out, expected, name='output')")
                 kappa = centring_kappa(xa64, (-1,), e) if op == "layer_norm" else 1.0
                 row_scale = np.maximum(np.abs(expected).max(-1, keepdims=True), 1.0)
                 ctx.conforms(
@@ -98,6 +103,8 @@ def _scale_cases(ctx, op):
                 if a in (2.0**-8, 2.0**10):
                     # a power of two scales exactly: the backend must agree with itself
                     got_plain = _call(ctx, op, x, (d,), eps / a**2, "x")
+                    ctx.oracle(f"show(x_scaled_out, {sign!r} * x_out.astype(np.float64), "
+                               "name='output, against the unscaled call')")
                     ctx.conforms(
                         expected=sign * got_plain.astype(np.float64), actual=got,
                         scale=row_scale, bound=bound("invariance", ctx.dtype, d, kappa),

@@ -140,9 +140,11 @@ def softcap(ctx):
             got = ctx.call(code, ctx.backend.softcap, scores, cap,
                            outputs_like={"output": (scores.shape, scores.dtype)})
             expected = spec.softcap(scores.astype(np.float64), cap)
-            ctx.conforms(expected=expected, actual=got, scale=cap, bound=bound("output", ctx.dtype, 1),
-                                           quantity="softcap.output", call=code)
+            ctx.oracle(f"show(capped, spec.softcap(scores, {cap!r}), name='capped')")
+            ctx.conforms(expected=expected, actual=got, scale=cap,
+                         bound=bound("output", ctx.dtype, 1), quantity="softcap.output",
+                         call=code)
             # in floating point c tanh(s/c) can round to c itself: <= is what T can promise
             worst = float(np.max(np.abs(got.astype(np.float64))))
             ctx.holds(condition=worst <= cap, got=f"max |capped| = {worst!r}",
-                         spec_says=f"|capped| <= {cap:g} (F7)", call=code)
+                      spec_says=f"|capped| <= {cap:g} (F7)", call=code)

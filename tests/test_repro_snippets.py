@@ -1,0 +1,62 @@
+"""Every finding's repro runs as printed: each check is run on the broken backend that it
+catches (test_harness_catches.CATCHES covers every family), and the repro snippet of
+every failing record is executed in a fresh interpreter, where it must finish and, for a
+numeric finding, print got against expected with the error in ULPs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from normspec.conformance import runner
+from normspec.impls.registry import LoadedBackend
+from test_harness_catches import CATCHES, CHECKS, bb
+
+TESTS = Path(__file__).resolve().parent
+
+
+def failing_records():
+    out = []
+    for check_id, (broken, dtype) in sorted(CATCHES.items()):
+        name = next(k for k, v in vars(bb).items() if v is broken)
+        loaded = LoadedBackend(name, "tests", backend=broken(), requested=f"broken_backends:{name}")
+        recs = runner.run_check(loaded, CHECKS[check_id], dtype, seed=0, examples=3, timeout=60)
+        out += [r for r in recs if r.status == "fail"]
+    return out
+
+
+def execute(snippet: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    return subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def executed():
+    records = failing_records()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(execute, [r.repro for r in records]))
+    return list(zip(records, procs, strict=True))
+
+
+def test_every_family_has_failing_records(executed):
+    from normspec.conformance.checks import FAMILIES
+
+    families = {CHECKS[r.check].fn.__module__.rsplit(".", 1)[-1] for r, _ in executed}
+    assert set(FAMILIES) == families
+
+
+def test_every_repro_runs_and_shows_the_finding(executed):
+    broken = []
+    for rec, proc in executed:
+        if proc.returncode != 0:
+            broken.append(f"{rec.backend} {rec.check} {rec.case}: exit {proc.returncode}\n"
+                          f"{proc.stderr[-800:]}\n--- snippet ---\n{rec.repro}")
+        elif rec.max_ulp is not None and "ULPs of" not in proc.stdout:
+            broken.append(f"{rec.backend} {rec.check} {rec.case}: printed no comparison\n"
+                          f"{proc.stdout[-800:]}\n--- snippet ---\n{rec.repro}")
+    assert [] == broken
