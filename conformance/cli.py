@@ -58,11 +58,16 @@ def cmd_backends(args) -> int:
             print(f"  no-grad mode: {caps.get('no_grad_mode')}, momentum=None: "
                   f"{caps.get('cumulative_momentum')}, track_running_stats=False: "
                   f"{caps.get('untracked_stats')}")
-            print(f"  default eps: {conv.get('default_eps')}")
-            print(f"  momentum:    {conv.get('native_momentum')}")
-            print(f"  running var: {conv.get('running_var_estimator')}")
-            print(f"  eps = 0:     {conv.get('eps_zero')}")
-            print(f"  half compute: {conv.get('half_compute_dtype')}")
+            print("  conventions (verified):")
+            for key in ("running_var_estimator", "eps_zero", "parameter_dtype",
+                        "single_value_batch"):
+                print(f"    {key}: {conv.get(key)}")
+            print("  conventions (declared, not verified):")
+            for key in ("default_eps", "native_momentum", "half_compute_dtype",
+                        "batch_invariant", "deterministic"):
+                print(f"    {key}: {conv.get(key)}")
+            for key, why in (conv.get("reasons") or {}).items():
+                print(f"    why {key}: {why}")
             if e["deviations"]:
                 print(f"  deviations:  {len(e['deviations'])} documented")
         print()

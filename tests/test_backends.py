@@ -142,7 +142,7 @@ def test_backends_command_lists_torch_and_jax_with_versions(capsys):
 
     assert f"version:     {torch.__version__}" in out
     assert f"jax {jax.__version__}" in out
-    assert "running var: biased" in out  # Flax's convention, declared
+    assert "running_var_estimator: biased" in out  # Flax's convention, declared
 
 
 def readme_example() -> str:
