@@ -11,12 +11,35 @@ from .batch_norm import (
     batch_norm_train,
     batch_norm_train_vjp,
 )
-from .blocks import post_ln_block, pre_ln_block, pre_ln_stack, sandwich_block
+from .blocks import (
+    post_ln_block,
+    post_ln_block_vjp,
+    pre_ln_block,
+    pre_ln_block_vjp,
+    pre_ln_stack,
+    pre_ln_stack_vjp,
+    sandwich_block,
+    sandwich_block_vjp,
+)
 from .layer_norm import layer_norm, layer_norm_vjp
 from .rms_norm import RMS_NORM_DEFAULT_EPS, rms_norm, rms_norm_vjp
 from .rounding import round_to, ulp, ulp_distance
+from .transformer import (
+    ENCODER_LAYER_PARAMS,
+    feed_forward,
+    feed_forward_vjp,
+    gelu,
+    multi_head_self_attention,
+    multi_head_self_attention_vjp,
+    normal_cdf,
+    transformer_encoder,
+    transformer_encoder_layer,
+    transformer_encoder_layer_vjp,
+    transformer_encoder_vjp,
+)
 
 __all__ = [
+    "ENCODER_LAYER_PARAMS",
     "FLOAT_DTYPES",
     "RMS_NORM_DEFAULT_EPS",
     "SingleValuePerChannelError",
@@ -24,19 +47,33 @@ __all__ = [
     "batch_norm_eval_vjp",
     "batch_norm_train",
     "batch_norm_train_vjp",
+    "feed_forward",
+    "feed_forward_vjp",
+    "gelu",
     "layer_norm",
     "layer_norm_vjp",
+    "multi_head_self_attention",
+    "multi_head_self_attention_vjp",
+    "normal_cdf",
     "post_ln_block",
+    "post_ln_block_vjp",
     "pre_ln_block",
+    "pre_ln_block_vjp",
     "pre_ln_stack",
+    "pre_ln_stack_vjp",
     "qk_norm_scores",
     "rms_norm",
     "rms_norm_vjp",
     "rope",
     "round_to",
     "sandwich_block",
+    "sandwich_block_vjp",
     "softcap",
     "softmax",
+    "transformer_encoder",
+    "transformer_encoder_layer",
+    "transformer_encoder_layer_vjp",
+    "transformer_encoder_vjp",
     "ulp",
     "ulp_distance",
 ]
