@@ -21,6 +21,14 @@ from .blocks import (
     sandwich_block,
     sandwich_block_vjp,
 )
+from .data_parallel import (
+    local_batch_norm_train,
+    local_batch_norm_train_vjp,
+    merge_statistics,
+    shard_statistics,
+    sync_batch_norm_train,
+    sync_batch_norm_train_vjp,
+)
 from .layer_norm import layer_norm, layer_norm_vjp
 from .rms_norm import RMS_NORM_DEFAULT_EPS, rms_norm, rms_norm_vjp
 from .rounding import round_to, ulp, ulp_distance
@@ -52,6 +60,9 @@ __all__ = [
     "gelu",
     "layer_norm",
     "layer_norm_vjp",
+    "local_batch_norm_train",
+    "local_batch_norm_train_vjp",
+    "merge_statistics",
     "multi_head_self_attention",
     "multi_head_self_attention_vjp",
     "normal_cdf",
@@ -68,8 +79,11 @@ __all__ = [
     "round_to",
     "sandwich_block",
     "sandwich_block_vjp",
+    "shard_statistics",
     "softcap",
     "softmax",
+    "sync_batch_norm_train",
+    "sync_batch_norm_train_vjp",
     "transformer_encoder",
     "transformer_encoder_layer",
     "transformer_encoder_layer_vjp",
