@@ -45,12 +45,15 @@ from .transformer import (
     transformer_encoder_layer_vjp,
     transformer_encoder_vjp,
 )
+from .variants import VARIANTS, Variant, variant, variants_for
 
 __all__ = [
     "ENCODER_LAYER_PARAMS",
     "FLOAT_DTYPES",
     "RMS_NORM_DEFAULT_EPS",
+    "VARIANTS",
     "SingleValuePerChannelError",
+    "Variant",
     "batch_norm_eval",
     "batch_norm_eval_vjp",
     "batch_norm_train",
@@ -90,4 +93,6 @@ __all__ = [
     "transformer_encoder_vjp",
     "ulp",
     "ulp_distance",
+    "variant",
+    "variants_for",
 ]
