@@ -374,6 +374,13 @@ class _GradsAccumulateLayer(NumpyBatchNorm):
         return res._replace(grad_weight=self._acc.astype(res.grad_weight.dtype))
 
 
+class _IgnoresAffineLayer(NumpyBatchNorm):
+    """Always keeps gamma and beta (ones and zeros), whatever affine says."""
+
+    def __init__(self, backend, c, eps, momentum, affine, track, dtype, weight, bias):
+        super().__init__(backend, c, eps, momentum, True, track, dtype, weight, bias)
+
+
 class _LazyUpdateLayer(NumpyBatchNorm):
     """Defers the running-statistics update to every second forward (as if at step())."""
 
@@ -435,6 +442,7 @@ GradsAccumulate = _bn_backend(_GradsAccumulateLayer)
 EvalTrainingGradient = _bn_backend(_EvalTrainingGradLayer)
 CountsEvalForwards = _bn_backend(_CountsEvalForwardsLayer)
 LazyUpdate = _bn_backend(_LazyUpdateLayer)
+IgnoresAffine = _bn_backend(_IgnoresAffineLayer)
 CumulativeIgnored = _bn_backend(_CumulativeIgnoredLayer)
 UntrackedEvalUsesInit = _bn_backend(_UntrackedEvalUsesInitLayer)
 ChannelLastStats = _bn_backend(_ChannelLastStatsLayer)

@@ -61,6 +61,7 @@ CATCHES = {
 # the list of defects, each with a check that catches it; and a backend that
 # ignores a parameter, for each parameter docs/coverage.md shows a check varying
 DEFECTS = {
+    "a BatchNorm that ignores affine=False": (bb.IgnoresAffine, "F1.grad", "float32"),
     "eps held in float32 in float64, undeclared": (bb.Float32EpsUndeclared,
                                                    "protocol.parameter_dtype", "float64"),
     "variance as E[x^2] - E[x]^2": (bb.NaiveVariance, "B1.layer_norm_shift", "float32"),

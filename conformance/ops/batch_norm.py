@@ -18,6 +18,10 @@ from ..tolerances import (
 from ._common import compare_param_grads, f64
 
 
+def _describe(a) -> str:
+    return "None" if a is None else f"an array of shape {np.shape(a)}"
+
+
 def _layout(x64):
     """Reduction axes (all but the channel axis 1) and the broadcast shape of a channel."""
     return (0,) + tuple(range(2, x64.ndim)), (1, x64.shape[1]) + (1,) * (x64.ndim - 2)
@@ -53,6 +57,9 @@ class BatchNormDriver:
         self.layer = ctx.call(code, lambda: ctx.backend.batch_norm(
             num_features, eps=eps, momentum=momentum, affine=affine,
             track_running_stats=track_running_stats, dtype=ctx.dtype, weight=self.w, bias=self.b))
+        # an affine layer made without weight or bias starts at gamma = 1, beta = 0
+        self.w64 = f64(self.w) if self.w is not None or not affine else np.ones(num_features)
+        self.b64 = f64(self.b) if self.b is not None or not affine else np.zeros(num_features)
         self.e = ctx.effective(eps, "eps")
         self.a = ctx.effective(momentum, "momentum")
         self.rm, self.rv = self._stats("initial")
@@ -108,7 +115,7 @@ class BatchNormDriver:
                 like["grad_input"] = (xa.shape, xa.dtype)
             res = ctx.call(code, self.layer.forward, xa, g, outputs_like=like, refusable=refusable)
             out, got_name = res.output, "result.output"
-        w64, b64 = f64(self.w), f64(self.b)
+        w64, b64 = self.w64, self.b64
         axes, bshape = _layout(x64)
         if use_batch:
             keeps = training and self.track
@@ -157,7 +164,13 @@ class BatchNormDriver:
         statistics normalize (they depend on x), the eval one where the running ones do
         (constants: dL/dx = gamma g r, no reduction)."""
         ctx = self.ctx
-        w64, b64 = f64(self.w), f64(self.b)
+        w64, b64 = self.w64, self.b64
+        if not self.affine:
+            ctx.holds(condition=res.grad_weight is None and res.grad_bias is None,
+                      got=f"grad_weight {_describe(res.grad_weight)}, grad_bias "
+                          f"{_describe(res.grad_bias)}",
+                      spec_says="None for both: a layer with affine=False has no gamma or beta",
+                      call=code)
         axes, bshape = _layout(x64)
         r = 1.0 / np.sqrt(var.reshape(bshape) + self.e)
         x_hat = (x64 - mean.reshape(bshape)) * r
