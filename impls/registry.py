@@ -22,6 +22,7 @@ BUILTINS = {
     "jax": "normspec.impls.flax_nnx:make_backend",
     "numba": "normspec.impls.numba_kernels:make_backend",
     "triton": "normspec.impls.triton_kernels:make_backend",
+    "onnxruntime": "normspec.impls.onnxruntime_graphs:make_backend",
 }
 
 REQUIRED_ATTRIBUTES = ("name", "version", "capabilities", "conventions")
