@@ -25,7 +25,8 @@ def backend(request):
 
 
 def test_registry_finds_every_builtin():
-    assert {"numpy", "torch", "jax", "numba", "triton", "onnxruntime"} <= set(registry.discover())
+    assert {"numpy", "torch", "jax", "numba", "triton", "onnxruntime",
+            "inductor"} <= set(registry.discover())
 
 
 def test_unknown_backend_names_the_known_ones():
