@@ -34,9 +34,10 @@ BUILTINS = {
 
 #: built-ins a run without --backend skips, with the reason (see the module docstring)
 OPT_IN = {
-    "inductor": "torch.compile compiles a graph per dtype, rank, eps and mode: a full "
-                "run compiles ~1400 small graphs, about 25 min with a cold cache on 2 CPU "
-                "cores; run it with --backend inductor",
+    "inductor": "torch.compile compiles a graph per dtype, rank, eps and mode: every "
+                "check in float32 alone compiled 345 Inductor graphs in 6.5 min with a cold "
+                "cache (2 CPU cores); all four dtypes need about four times that. Run it "
+                "with --backend inductor",
 }
 
 REQUIRED_ATTRIBUTES = ("name", "version", "capabilities", "conventions")
