@@ -1,6 +1,12 @@
 """Finding backends: the built-ins, the `normspec.backends` entry-point group, and
 `module:factory` strings. Loading never raises for a backend's own failure: a missing
-framework or a broken factory makes that backend unavailable, with the reason."""
+framework or a broken factory makes that backend unavailable, with the reason.
+
+Opt-in built-ins: `OPT_IN` names built-ins that are too slow for every run (`inductor`
+compiles a graph per configuration). They are known like any other backend (`discover`,
+`load`, `load_all`: `normspec backends` lists them, `--backend NAME` runs them, tox has
+an env for each), but `default_backends()`, the set a run or a bench without --backend
+uses, leaves them out; `OPT_IN[name]` says why."""
 
 from __future__ import annotations
 
@@ -22,6 +28,16 @@ BUILTINS = {
     "jax": "normspec.impls.flax_nnx:make_backend",
     "numba": "normspec.impls.numba_kernels:make_backend",
     "triton": "normspec.impls.triton_kernels:make_backend",
+    "onnxruntime": "normspec.impls.onnxruntime_graphs:make_backend",
+    "inductor": "normspec.impls.torch_inductor:make_backend",
+}
+
+#: built-ins a run without --backend skips, with the reason (see the module docstring)
+OPT_IN = {
+    "inductor": "torch.compile compiles a graph per dtype, rank, eps and mode: every "
+                "check in float32 alone compiled 345 Inductor graphs in 6.5 min with a cold "
+                "cache (2 CPU cores); all four dtypes need about four times that. Run it "
+                "with --backend inductor",
 }
 
 REQUIRED_ATTRIBUTES = ("name", "version", "capabilities", "conventions")
@@ -56,6 +72,11 @@ def discover() -> dict[str, str]:
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(ep.name, ep.value)
     return found
+
+
+def default_backends() -> list[str]:
+    """The backends a run without --backend uses: every one found but the OPT_IN ones."""
+    return [name for name in discover() if name not in OPT_IN]
 
 
 def _import_factory(source: str):
@@ -131,4 +152,5 @@ def load_all() -> list[LoadedBackend]:
     return [load(name) for name in discover()]
 
 
-__all__ = ["Backend", "LoadedBackend", "UnknownBackend", "discover", "load", "load_all"]
+__all__ = ["OPT_IN", "Backend", "LoadedBackend", "UnknownBackend", "default_backends", "discover",
+           "load", "load_all"]

@@ -15,7 +15,7 @@ from normspec.impls import registry
 from normspec.impls.protocol import DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
-ADAPTERS = ["numpy", "torch", "jax"]
+ADAPTERS = ["numpy", "torch", "jax", "onnxruntime"]
 
 
 @pytest.fixture(scope="module", params=ADAPTERS)
@@ -26,7 +26,8 @@ def backend(request):
 
 
 def test_registry_finds_every_builtin():
-    assert {"numpy", "torch", "jax", "numba", "triton"} <= set(registry.discover())
+    assert {"numpy", "torch", "jax", "numba", "triton", "onnxruntime",
+            "inductor"} <= set(registry.discover())
 
 
 def test_unknown_backend_names_the_known_ones():
@@ -99,8 +100,10 @@ def test_E4_micro_batches_update_twice(backend):
     full = backend.batch_norm(1, **kwargs)
     y = full.forward(np.array([[0.0], [2.0], [10.0], [12.0]])).output
     np.testing.assert_allclose(y.ravel(), [-1.1766968, -0.7844645, 0.7844645, 1.1766968], rtol=1e-5)
-    # Flax keeps running statistics in float32 whatever the layer's dtype
-    rtol = 1e-12 if full.running_mean.dtype == np.float64 else 1e-6
+    # Flax keeps running statistics in float32 whatever the layer's dtype; ONNX holds
+    # momentum in float32 (parameter_dtype), so 1 - 0.9 is 0.1 to float32 precision only
+    exact = full.running_mean.dtype == np.float64 and backend.conventions.parameter_dtype is None
+    rtol = 1e-12 if exact else 1e-6
     np.testing.assert_allclose(full.running_mean, [0.6], rtol=rtol)
     micro = backend.batch_norm(1, **kwargs)
     micro.forward(np.array([[0.0], [2.0]]))
@@ -120,10 +123,13 @@ def test_adapters_keep_the_dtype(backend, dtype):
     from normspec.conformance.cases import dtype_of
 
     x = np.array([[1.0, 2.0, 4.0], [0.0, 1.0, -1.0]]).astype(dtype_of(dtype))
+    if not backend.capabilities.supports("layer_norm", dtype):
+        pytest.skip(f"{backend.name} has no layer_norm in {dtype}")
+    grads = backend.capabilities.has_gradient("layer_norm", dtype)
     res = backend.layer_norm(x, (3,), np.ones(3, x.dtype), np.zeros(3, x.dtype), 1e-5,
-                             grad_output=np.ones_like(x))
-    assert [x.dtype] * 4 == [res.output.dtype, res.grad_input.dtype, res.grad_weight.dtype,
-                             res.grad_bias.dtype]
+                             grad_output=np.ones_like(x) if grads else None)
+    got = [res.output, res.grad_input, res.grad_weight, res.grad_bias][:4 if grads else 1]
+    assert [x.dtype] * len(got) == [a.dtype for a in got]
 
 
 def test_flax_momentum_is_translated():
