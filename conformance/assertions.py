@@ -29,8 +29,10 @@ class CheckFailure(AssertionError):
 
 @dataclass
 class Measure:
-    """Worst error seen so far in a check: in ULPs at scale (the judged metric), plus
-    absolute and relative error for the reader."""
+    """Worst error seen so far in a case: in ULPs at scale (the judged metric), plus
+    absolute and relative error for the reader. "Worst" is the comparison closest to (or
+    furthest past) its bound, so the record shows the quantity that decided it, not a
+    passing one with a looser bound."""
 
     max_ulp: float = 0.0
     max_abs: float = 0.0
@@ -39,9 +41,16 @@ class Measure:
     comparisons: int = 0
     worst: dict = field(default_factory=dict)
 
+    @property
+    def ratio(self) -> float:
+        """The error as a fraction of its bound (inf past any bound of 0)."""
+        if self.bound_ulp > 0:
+            return self.max_ulp / self.bound_ulp
+        return float("inf") if self.max_ulp > 0 else 0.0
+
     def absorb(self, other: Measure) -> None:
         self.comparisons += other.comparisons
-        if other.max_ulp >= self.max_ulp:
+        if other.comparisons and (not self.worst or not other.ratio < self.ratio):
             self.max_ulp, self.bound_ulp, self.worst = other.max_ulp, other.bound_ulp, other.worst
         self.max_abs = max(self.max_abs, other.max_abs)
         self.max_rel = max(self.max_rel, other.max_rel)

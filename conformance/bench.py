@@ -118,7 +118,7 @@ def bench_one(loaded, op, dtype, shape, pass_, repeat, copy_cache) -> dict:
 def run_bench(backends=None, *, quick=False, repeat=10, progress=print) -> dict:
     doc = results.new_document()
     doc["runs"].append(run_info(0, platform.node() or "local"))
-    names = backends or list(registry.discover())
+    names = backends or registry.default_backends()
     loaded = []
     for n in names:
         lb = registry.load(n)

@@ -43,6 +43,8 @@ def cmd_backends(args) -> int:
         return 0
     for e in entries:
         state = "available" if e["available"] else f"unavailable: {e['error']}"
+        if e["name"] in registry.OPT_IN:
+            state += f" (opt-in, not in a run without --backend: {registry.OPT_IN[e['name']]})"
         print(f"{e['name']}  ({e['source']})")
         print(f"  version:     {e['version'] or '-'}")
         print(f"  status:      {state}")

@@ -126,9 +126,14 @@ class Context:
             return value
         if unit_roundoff(held) <= unit_roundoff(compute_dtype(self.dtype)):
             return value
-        rounded = float(round_to(np.float64(value), held))
+        if what == "momentum" and self.convention("momentum_held_as") == "old":
+            rounded = 1.0 - float(round_to(np.float64(1.0 - value), held))
+            how = f"1 - {held}(1 - {value!r})"
+        else:
+            rounded = float(round_to(np.float64(value), held))
+            how = f"{held}({value!r})"
         if rounded != value:
-            note = f"oracle at {what} = {held}({value!r}) = {rounded!r} (declared parameter_dtype)"
+            note = f"oracle at {what} = {how} = {rounded!r} (declared parameter_dtype)"
             if note not in self.notes:
                 self.notes.append(note)
         return rounded
@@ -195,13 +200,14 @@ class Context:
         `explained`: (expected under a declared convention, convention name) pairs. When
         the spec's answer is missed but a declared convention's is met, the record is a
         deviation with the convention's reason; when neither is met, a fail."""
+        dtype = self.dtype if dtype is None else dtype
         try:
-            m = assert_conforms(expected=expected, actual=actual, dtype=dtype or self.dtype,
+            m = assert_conforms(expected=expected, actual=actual, dtype=dtype,
                                 scale=scale, bound=bound, quantity=quantity, what=what, call=call)
         except CheckFailure as exc:
             for alt, convention in explained:
                 try:
-                    assert_conforms(expected=alt, actual=actual, dtype=dtype or self.dtype,
+                    assert_conforms(expected=alt, actual=actual, dtype=dtype,
                                     scale=scale, bound=bound, quantity=quantity, what=what,
                                     call=call)
                 except CheckFailure:
@@ -231,7 +237,8 @@ class Context:
     def differs(self, *, first, second, scale, at_least: float, what: str, call: str,
                 dtype=None, explained_by: str | None = None) -> None:
         try:
-            assert_differs(first=first, second=second, dtype=dtype or self.dtype, scale=scale,
+            assert_differs(first=first, second=second,
+                           dtype=self.dtype if dtype is None else dtype, scale=scale,
                            at_least=at_least, what=what, call=call)
         except CheckFailure as exc:
             if explained_by is None:

@@ -61,6 +61,7 @@ class FlaxBackend(Backend):
         default_eps={"layer_norm": 1e-6, "rms_norm": 1e-6, "batch_norm": 1e-5},
         native_momentum="momentum=0.99 weights the old running value (1 - PyTorch's)",
         running_var_estimator="biased",
+        momentum_held_as="old",
         half_compute_dtype="float32 (statistics promoted to at least float32)",
         single_value_batch="accepts",
         reasons={

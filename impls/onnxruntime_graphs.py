@@ -46,6 +46,7 @@ class OnnxRuntimeBackend(Backend):
         half_compute_dtype="float32 for LayerNormalization/RMSNormalization (stash_type=1); "
                            "other float16 ops as ORT's CPU kernels (or inserted casts) do",
         parameter_dtype="float32",
+        momentum_held_as="old",
         single_value_batch="accepts",
         reasons={
             "running_var_estimator": "ONNX Runtime's BatchNormalization in training mode "

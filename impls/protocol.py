@@ -147,6 +147,9 @@ class Conventions:
       parameter_dtype: the dtype eps and momentum are held in where coarser than the
         input's (ONNX keeps them as float32 attributes); None: as given. The oracle is
         then evaluated at the rounded values, and the record says so.
+      momentum_held_as: "new" if the framework's momentum weights the new batch (held as
+        a, PyTorch) or "old" if it weights the old value (held as 1 - a: ONNX, Keras,
+        Flax); with parameter_dtype, a momentum held as 1 - a rounds to 1 - round(1 - a).
       single_value_batch: "raises" (B3: training on one value per channel is an error)
         or "accepts".
       batch_invariant: a sample's output is bit for bit the same whatever else is in its
@@ -165,6 +168,7 @@ class Conventions:
     eps_zero: dict[str, bool] = field(default_factory=lambda: {op: True for op in OPS})
     half_compute_dtype: str = "float32"
     parameter_dtype: str | None = None
+    momentum_held_as: str = "new"
     single_value_batch: str = "raises"
     batch_invariant: bool = True
     deterministic: bool = True
@@ -177,6 +181,9 @@ class Conventions:
         if self.single_value_batch not in ("raises", "accepts"):
             raise ValueError("conventions.single_value_batch must be 'raises' or 'accepts', "
                              f"got {self.single_value_batch!r}")
+        if self.momentum_held_as not in ("new", "old"):
+            raise ValueError("conventions.momentum_held_as must be 'new' or 'old', got "
+                             f"{self.momentum_held_as!r}")
         if self.parameter_dtype not in (None, *DTYPES):
             raise ValueError(f"conventions.parameter_dtype must be None or one of {DTYPES}, "
                              f"got {self.parameter_dtype!r}")
@@ -187,6 +194,7 @@ class Conventions:
             "running_var_estimator": self.running_var_estimator,
             "eps_zero": dict(self.eps_zero), "half_compute_dtype": self.half_compute_dtype,
             "parameter_dtype": self.parameter_dtype,
+            "momentum_held_as": self.momentum_held_as,
             "single_value_batch": self.single_value_batch,
             "batch_invariant": self.batch_invariant, "deterministic": self.deterministic,
             "reasons": dict(self.reasons),

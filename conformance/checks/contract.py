@@ -122,9 +122,12 @@ def parameter_dtype(ctx):
                       for p in ("float32", "float64")}
             errors = {p: float(np.max(np.abs(got - ref) / np.abs(ref).max())) for p, ref in at.items()}
             observed = min(errors, key=errors.get)
+            other = max(errors.values())
+            # which precision explains the output, decided with a margin; how close the
+            # output is to it is the value checks' business (F2, F3), not this one's
             ctx.oracle(*(f"print('{p}:', spec.{op}(x, (2,), eps=float(spec.round_to({eps!r}, "
                          f"'{p}'))), 'got', result.output)" for p in at))
-            ctx.holds(condition=observed == declared and errors[observed] < 1e-12,
+            ctx.holds(condition=observed == declared and other > 100 * errors[observed],
                       got=f"an output that matches eps held in {observed} (relative error "
-                          f"{errors[observed]:.3g}; in the other precision {max(errors.values()):.3g})",
+                          f"{errors[observed]:.3g}; in the other precision {other:.3g})",
                       spec_says=f"the backend declared parameter_dtype = {declared}", call=code)

@@ -117,16 +117,21 @@ class BatchNormDriver:
             out, got_name = res.output, "result.output"
         w64, b64 = self.w64, self.b64
         axes, bshape = _layout(x64)
+        a = self.a
+        if self.momentum is None and ctx.convention("parameter_dtype"):
+            # the cumulative average's weight 1/t, as a backend holding it rounded sees it
+            a = ctx.effective(1.0 / (self.steps + 1), "momentum")
+        self.step_a = 1.0 / (self.steps + 1) if a is None else a
         if use_batch:
             keeps = training and self.track
             expected, rm, rv = spec.batch_norm_train(
                 x64, f64(self.rm) if keeps else None, f64(self.rv) if keeps else None,
-                w64, b64, self.a, self.e, num_batches_tracked=self.steps)
+                w64, b64, a, self.e, num_batches_tracked=self.steps)
             mean, var, n = x64.mean(axis=axes), x64.var(axis=axes), x64.size // x64.shape[1]
             kappa = centring_kappa(x64, axes, self.e)
             stats = "rm, rv" if keeps else "None, None"
             ctx.oracle(f"expected, new_rm, new_rv = spec.batch_norm_train({name}, {stats}, weight, "
-                       f"bias, {self.a!r}, {self.e!r}, num_batches_tracked={self.steps})")
+                       f"bias, {a!r}, {self.e!r}, num_batches_tracked={self.steps})")
         else:
             expected = spec.batch_norm_eval(x64, f64(self.rm), f64(self.rv), w64, b64, self.e)
             mean, var, n, rm, rv = f64(self.rm), f64(self.rv), 1, None, None
@@ -212,7 +217,7 @@ class BatchNormDriver:
         self.rm, self.rv = self._stats("after a training forward")
         if not self.compare_stats:
             return
-        a = 1.0 / self.steps if self.a is None else self.a
+        a = self.step_a
         axes, _ = _layout(x64)
         rm_scale, rv_scale = running_stat_scales(old_rm, old_rv, x64, count, a, axes)
         # the declared biased estimator's update, which the spec does not share (F4)
