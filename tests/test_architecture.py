@@ -47,3 +47,16 @@ def test_reports_know_the_results_schema_only(path):
            if m.split(".")[0] in ("torch", "jax", "flax", "numba", "triton")
            or "spec" in m.split(".") or "impls" in m.split(".")}
     assert set() == bad
+
+
+def test_every_subpackage_is_installed():
+    """pyproject lists the packages by hand (the repository root is the package): a new
+    folder of modules missing there works in an editable install and nowhere else."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+                 ["tool"]["setuptools"]["packages"])
+    found = {"normspec" + "".join("." + p for p in init.parent.relative_to(ROOT).parts)
+             for init in ROOT.rglob("__init__.py")
+             if not {"tests", ".venv", ".tox", "build"} & set(init.relative_to(ROOT).parts)}
+    assert found == listed
