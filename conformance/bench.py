@@ -78,7 +78,7 @@ def bench_one(loaded, op, dtype, shape, pass_, repeat, copy_cache) -> dict:
     if not caps.supports(op, dtype) or (pass_ != "forward" and not caps.has_gradient(op, dtype)):
         rec["error"] = "unsupported (capabilities)"
         return rec
-    skip = getattr(backend, "benchmark_skip_reason", None)
+    skip = backend.benchmark_skip_reason
     if skip:
         rec["error"] = f"not timed: {skip}"
         return rec
@@ -91,10 +91,9 @@ def bench_one(loaded, op, dtype, shape, pass_, repeat, copy_cache) -> dict:
     # a random upstream gradient: with g = 1, dx is 0 up to rounding, and converting a
     # row of tiny numbers to float16 (subnormals) would time NumPy's slow path instead
     g = rng.normal(0.0, 1.0, size=shape).astype(dt) if backward else None
-    prepare = getattr(backend, "prepare_benchmark", None)
     try:
-        if prepare is not None:
-            fn = prepare(op, x, (d,), w, b, 1e-5, g)
+        fn = backend.prepare_benchmark(op, x, (d,), w, b, 1e-5, g)
+        if fn is not None:
             rec["timed"] = "native call (prepare_benchmark)"
         else:
             fn = _protocol_callable(backend, op, x, (d,), w, b, 1e-5, g)

@@ -4,6 +4,7 @@ printable recipe, so a failure's repro snippet rebuilds exactly the same input."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from normspec.impls.protocol import np_dtype
@@ -70,7 +71,7 @@ class Literal:
         return cls(values=np.asarray(array, dtype=np.float64).tolist())
 
 
-def repro_snippet(*, backend_source: str, dtype_name: str, inputs: dict[str, object],
+def repro_snippet(*, backend_source: str, dtype_name: str, inputs: dict[str, Any],
                   calls: list[str]) -> str:
     """A copy-pasteable script that rebuilds the inputs and repeats the calls."""
     lines = [

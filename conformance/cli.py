@@ -13,7 +13,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from normspec.impls import registry
 
@@ -26,7 +28,7 @@ REPORTS_DIR = Path("reports")
 LATEST = "latest"
 
 
-def _print_table(rows: list[list[str]], out=None) -> None:
+def _print_table(rows: list[list[Any]], out=None) -> None:
     out = out or sys.stdout
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for n, r in enumerate(rows):
@@ -37,7 +39,14 @@ def _print_table(rows: list[list[str]], out=None) -> None:
 
 # ------------------------------------------------------------------ backends
 def cmd_backends(args) -> int:
-    entries = [runner.backend_entry(lb, "local") for lb in registry.load_all()]
+    names = args.backend or list(registry.discover())
+    known = registry.discover()
+    for name in names:
+        if ":" not in name and name not in known:
+            print(f"normspec backends: error: unknown backend {name!r}; known: "
+                  f"{', '.join(sorted(known))} (or give module:factory)", file=sys.stderr)
+            return 2
+    entries = [runner.backend_entry(registry.load(n), "local") for n in names]
     if args.json:
         print(json.dumps(entries, indent=1))
         return 0
@@ -73,6 +82,28 @@ def cmd_backends(args) -> int:
             if e["deviations"]:
                 print(f"  deviations:  {len(e['deviations'])} documented")
         print()
+    return 0
+
+
+def cmd_claims(args) -> int:
+    from .claims import CLAIMS, markdown
+
+    checks = runner.select_checks(None)
+    records = None
+    if args.results:
+        try:
+            records = results.read(args.results)["records"]
+        except results.ResultsError as exc:
+            print(f"normspec claims: error: {exc}", file=sys.stderr)
+            return 2
+    if args.markdown:
+        sys.stdout.write(markdown(checks, records, source=args.results or ""))
+        return 0
+    rows = [["claim", "title", "checks"]]
+    for claim in CLAIMS.values():
+        ids = [c.id for c in checks if c.verifies(claim.id)]
+        rows.append([claim.id, claim.title, ", ".join(ids) or "- (not checked on backends)"])
+    _print_table(rows)
     return 0
 
 
@@ -261,9 +292,9 @@ def print_summary(doc: dict, out=None) -> int:
     """The per-backend status table and every failure; returns the number failing."""
     out = out or sys.stdout
     counts = results.summarize(doc["records"])
-    rows = [["backend", "version", *results.STATUSES, "verdict"]]
+    rows: list[list[Any]] = [["backend", "version", *results.STATUSES, "verdict"]]
     for b in doc["backends"]:
-        c = counts.get(b["name"], {})
+        c: Counter | dict = counts.get(b["name"], {})
         if not b["available"]:
             rows.append([b["name"], "-", *["-"] * len(results.STATUSES),
                          f"unavailable: {str(b['error'])[:60]}"])
@@ -362,7 +393,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("backends", help="list every backend found, with capabilities")
     b.add_argument("--json", action="store_true", help="print JSON instead of text")
+    b.add_argument("--backend", action="append", metavar="NAME|module:factory",
+                   help="only these (repeatable), a third-party module:factory included")
     b.set_defaults(fn=cmd_backends)
+
+    cl = sub.add_parser("claims", help="every claim of the spec and the checks that verify it")
+    cl.add_argument("--markdown", action="store_true",
+                    help="write docs/claims.md's text: claims, formulas, examples, checks")
+    cl.add_argument("--results", metavar="FILE",
+                    help="with --markdown: add what each backend did, from a results file")
+    cl.set_defaults(fn=cmd_claims)
 
     c = sub.add_parser("checks", help="list the conformance checks and their claim ids")
     c.set_defaults(fn=cmd_checks)

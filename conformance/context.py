@@ -18,6 +18,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -63,14 +64,14 @@ def _describe(a) -> str:
 class Context:
     backend_name: str
     source: str
-    backend: object
+    backend: Any
     check_id: str
     claim: str
     op: str
     dtype: np.dtype
     seed: int
     examples: int
-    conventions: object = None
+    conventions: Any = None
     shrink: bool = False
     records: list[Record] = field(default_factory=list)
     #: called with each record as its case ends, so the run can stream it to disk
@@ -213,8 +214,9 @@ class Context:
                 except CheckFailure:
                     continue
                 self.explain(str(exc), convention)
-                self.measure.absorb(exc.measure)
-                return exc.measure
+                missed = exc.measure or Measure()
+                self.measure.absorb(missed)
+                return missed
             raise
         self.measure.absorb(m)
         return m

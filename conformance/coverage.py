@@ -61,6 +61,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 
 import numpy as np
 from normspec.impls import registry
@@ -150,7 +151,7 @@ _CONTEXT_CALL = Context.call.__code__
 
 def _calling_context() -> Context | None:
     """The Context whose `call` is on the stack (the check's guarded call), if any."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         if frame.f_code is _CONTEXT_CALL:
             ctx = frame.f_locals.get("self")

@@ -56,6 +56,7 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from normspec.impls.protocol import DTYPES  # noqa: F401 - the dtypes a record names, in order
@@ -74,9 +75,9 @@ RECORD_KEYS = {"backend": str, "check": str, "claim": str, "op": str, "dtype": s
                "case": str, "status": str}
 BACKEND_KEYS = {"name": str, "available": bool, "run": str}
 #: What a reader may assume of the optional keys, filled in where a file lacks them.
-BACKEND_DEFAULTS = {"source": "", "version": "", "error": None, "capabilities": {},
+BACKEND_DEFAULTS: dict[str, Any] = {"source": "", "version": "", "error": None, "capabilities": {},
                     "conventions": {}, "deviations": [], "stale_deviations": []}
-RUN_DEFAULTS = {"created": "", "seed": None, "host": "", "cpu": "", "platform": "",
+RUN_DEFAULTS: dict[str, Any] = {"created": "", "seed": None, "host": "", "cpu": "", "platform": "",
                 "python": "", "versions": {}, "argv": [], "complete": True, "stopped_by": "",
                 "not_reached": []}
 
@@ -117,7 +118,7 @@ class Record:
         return encode(asdict(self))
 
 
-_RECORD_DEFAULTS = {"message": "", "quantity": "", "note": "", "max_ulp": None,
+_RECORD_DEFAULTS: dict[str, Any] = {"message": "", "quantity": "", "note": "", "max_ulp": None,
                     "bound_ulp": None, "max_abs": None, "max_rel": None, "worst": {},
                     "inputs": "", "repro": "", "reason": "", "seed": None, "duration_s": 0.0,
                     "run": ""}

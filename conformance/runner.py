@@ -32,13 +32,15 @@ VERSIONED_PACKAGES = ("normspec", "numpy", "ml_dtypes", "hypothesis", "torch", "
 
 
 def select_checks(patterns: Iterable[str] | None) -> list[Check]:
-    """Checks whose id equals a pattern or starts with it ("F2" selects F2.values, F2.grad)."""
+    """Checks whose id equals a pattern or starts with it followed by a dot, or whose
+    claim names it ("F2" selects F2.values, F2.grad and F2/F3.half_overflow)."""
     checks = all_checks()
     if not patterns:
         return checks
     chosen, patterns = [], list(patterns)
     for p in patterns:
-        hits = [c for c in checks if c.id == p or c.id.startswith(p + ".") or c.claim == p]
+        hits = [c for c in checks if c.id == p or c.id.startswith(p + ".") or c.claim == p
+                or p in c.claim.split("/")]
         if not hits:
             raise ValueError(f"unknown check {p!r}; known: {', '.join(c.id for c in checks)}")
         chosen += [c for c in hits if c not in chosen]
@@ -185,7 +187,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     from normspec.impls import registry
 
     # a backend asked for twice is checked once
-    names = list(dict.fromkeys(backends)) if explicit else registry.default_backends()
+    names = list(dict.fromkeys(backends or ())) if explicit else registry.default_backends()
     doc = results.new_document()
     doc["runs"].append(run_info(seed, label))
     doc["tolerances"] = tolerances.table_rows()

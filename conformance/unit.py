@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 from normspec.impls import registry
@@ -120,7 +121,7 @@ def backend_entry(loaded: registry.LoadedBackend, label: str) -> dict:
              "capabilities": {}, "conventions": {}}
     if b is not None:
         for key in ("capabilities", "conventions"):
-            obj = getattr(b, key, None)
+            obj: Any = getattr(b, key, None)
             try:
                 entry[key] = obj.as_dict() if hasattr(obj, "as_dict") else dict(vars(obj))
             except Exception as exc:  # noqa: BLE001 - a third party's broken declaration

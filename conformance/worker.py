@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from .results import Record
 
@@ -106,9 +107,9 @@ class Worker:
 
     def __init__(self, requested: str, label: str):
         self.requested, self.label = requested, label
-        self.proc = None
-        self.conn = None
-        self.entry: dict | None = None
+        self.proc: Any = None
+        self.conn: Any = None
+        self.entry: dict = {}
         self.deviations: list = []
         self.error: str | None = None
 
@@ -136,7 +137,7 @@ class Worker:
                    else f"its process died while loading it ({self._exit()})")
             self.kill()
             self.error = why
-            if self.entry is None:
+            if not self.entry:
                 from normspec.impls.registry import LoadedBackend
 
                 from .unit import backend_entry
@@ -221,7 +222,7 @@ class Worker:
             if on_record is not None:
                 on_record(rec)
 
-        name = (self.entry or {}).get("name", self.requested)
+        name = self.entry.get("name", self.requested)
         base = dict(backend=name, check=check_id, claim=check_id.split(".")[0], op="-",
                     dtype=dtype, seed=seed)
         t0 = time.perf_counter()

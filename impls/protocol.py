@@ -20,11 +20,11 @@ or statistics to agree with the spec.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -234,6 +234,29 @@ class BatchNormLayer:
         raise NotImplementedError
 
 
+class NormalizationBackend(Protocol):
+    """The typed interface a backend object satisfies, for a type checker to hold a
+    third-party backend against. Subclassing `Backend` satisfies it with defaults; the
+    ops themselves are optional and listed in `capabilities.ops` (see Backend)."""
+
+    name: str
+    version: str
+    capabilities: Capabilities
+    conventions: Conventions
+    deviations: tuple[dict[str, str], ...]
+    benchmark_skip_reason: str | None
+
+    def prepare_benchmark(self, op: str, x: np.ndarray, normalized_shape: tuple[int, ...],
+                          weight: np.ndarray | None, bias: np.ndarray | None, eps: float,
+                          grad_output: np.ndarray | None = None) -> Callable[[], object] | None:
+        ...
+
+
+#: What a backend object must have, whether or not it subclasses Backend.
+MEMBERS = ("name", "version", "capabilities", "conventions", "deviations",
+           "benchmark_skip_reason", "prepare_benchmark")
+
+
 class Backend:
     """Base class for a backend; override the ops it supports and say so in
     `capabilities`. The defaults claim nothing."""
@@ -245,6 +268,16 @@ class Backend:
     #: Known deviations from the spec, as data: [{"check": id, "reason": text}, ...].
     #: Built-in backends keep theirs in impls/deviations/<name>.toml instead.
     deviations: tuple[dict[str, str], ...] = ()
+    #: Optional: why `normspec bench` must not time this backend here (e.g. Triton in its
+    #: interpreter), or None.
+    benchmark_skip_reason: str | None = None
+
+    def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, grad_output=None):
+        """Optional: a zero-argument callable that runs `op` (forward, or forward and
+        backward with grad_output) on arrays already in the backend's own format, so
+        `normspec bench` times the kernel without conversions; None times the protocol
+        call instead."""
+        return None
 
     def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None) -> Result:
         """F2 over the trailing `normalized_shape` axes; weight and bias have that shape

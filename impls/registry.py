@@ -18,7 +18,7 @@ from typing import Any
 
 import tomllib
 
-from .protocol import OPS, Backend
+from .protocol import MEMBERS, OPS, Backend
 
 ENTRY_POINT_GROUP = "normspec.backends"
 
@@ -40,7 +40,6 @@ OPT_IN = {
                 "with --backend inductor",
 }
 
-REQUIRED_ATTRIBUTES = ("name", "version", "capabilities", "conventions")
 
 
 class UnknownBackend(LookupError):
@@ -92,7 +91,8 @@ def _import_factory(source: str):
 
 def adapter_problems(obj: Any) -> list[str]:
     """What makes an object not a backend (missing attributes, unknown op names)."""
-    problems = [f"missing attribute {a!r}" for a in REQUIRED_ATTRIBUTES if not hasattr(obj, a)]
+    problems = [f"missing attribute {a!r} (subclass normspec.impls.protocol.Backend for the "
+                f"defaults)" for a in MEMBERS if not hasattr(obj, a)]
     caps = getattr(obj, "capabilities", None)
     ops = getattr(caps, "ops", None)
     if caps is not None and ops is None:

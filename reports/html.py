@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import jinja2
+import numpy as np
 from normspec.conformance import results
 from normspec.conformance.claims import CLAIMS, claim_text
 
@@ -65,35 +66,66 @@ def _figure_svg(fig) -> str:
     return _clean_svg(buf.getvalue())
 
 
+def _ratio(r) -> float | None:
+    """A record's worst error as a fraction of its bound; inf past a bound of 0 or for
+    inf/NaN errors; None when it measured nothing."""
+    if r.get("max_ulp") is None or r.get("bound_ulp") is None:
+        return None
+    err, bnd = float(r["max_ulp"]), float(r["bound_ulp"])
+    if not math.isfinite(err):
+        return math.inf
+    if bnd <= 0:
+        return math.inf if err > 0 else 0.0
+    return err / bnd
+
+
+#: How each status is drawn in the error plot (colour, marker): a point's status is its
+#: verdict, so a deviation far above the line never reads as an unexplained failure.
+PLOT_STYLE = {"pass": ("#2da44e", "o"), "fail": ("#cf222e", "x"), "deviation": ("#bf8700", "^"),
+              "error": ("#8250df", "s")}
+
+
 def error_plot(doc) -> str | None:
-    """Worst error per record as a fraction of its bound, per backend and dtype."""
+    """Worst error per record as a fraction of its bound, per backend and dtype, each
+    point drawn by its status."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = defaultdict(list)
+    points = defaultdict(list)
+    labels = set()
     for r in doc["records"]:
-        if r.get("max_ulp") is None or r.get("bound_ulp") in (None, 0):
+        ratio = _ratio(r)
+        if ratio is None or r["status"] not in PLOT_STYLE:
             continue
-        ratio = float(r["max_ulp"]) / float(r["bound_ulp"])
-        ratio = 1e6 if not math.isfinite(ratio) else ratio  # inf and NaN at the top edge
-        groups[(r["backend"], r["dtype"])].append(max(ratio, 1e-4))
-    if not groups:
+        ratio = 1e9 if not math.isfinite(ratio) else max(ratio, 1e-4)  # inf at the top edge
+        labels.add((r["backend"], r["dtype"]))
+        points[r["status"]].append(((r["backend"], r["dtype"]), ratio))
+    if not labels:
         return None
-    labels = sorted(groups)
-    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(labels)), 3.6))
-    ax.boxplot([groups[k] for k in labels], showfliers=True)
-    ax.set_xticks(range(1, len(labels) + 1), [f"{b}\n{d}" for b, d in labels], fontsize=7)
+    order = sorted(labels)
+    where = {k: i for i, k in enumerate(order)}
+    fig, ax = plt.subplots(figsize=(min(13.5, max(6, 0.45 * len(order))), 3.8))
+    rng = np.random.default_rng(0)  # a fixed jitter, so the same run draws the same picture
+    for status, pts in points.items():
+        colour, marker = PLOT_STYLE[status]
+        xs = [where[k] + rng.uniform(-0.25, 0.25) for k, _ in pts]
+        ax.scatter(xs, [v for _, v in pts], s=10, c=colour, marker=marker, alpha=0.6,
+                   label=f"{status} ({len(pts)})", linewidths=0.8)
+    ax.set_xticks(range(len(order)), [f"{b}\n{d}" for b, d in order], fontsize=7)
     ax.set_yscale("log")
-    ax.axhline(1.0, color="#c0392b", lw=1, ls="--")
+    ax.axhline(1.0, color="#cf222e", lw=1, ls="--")
     ax.set_ylabel("worst error / bound (log)")
-    ax.set_title("Error per record relative to its tolerance bound (above the line fails)")
+    ax.legend(fontsize=7, loc="upper left", ncol=4)
+    ax.set_title("Error per record relative to its tolerance bound (above the line: beyond the "
+                 "bound; a deviation is explained by a declared convention or entry)", fontsize=9)
     return _figure_svg(fig)
 
 
 def bench_plot(doc) -> str | None:
-    """Effective bandwidth of each benchmark beside the memory copy of the same bytes."""
+    """Effective bandwidth against the memory copy of the same bytes, one panel per op
+    and pass, bars grouped by shape and dtype, so the figure fits a page."""
     rows = [b for b in doc.get("benchmarks", []) if b.get("gbps")]
     if not rows:
         return None
@@ -102,27 +134,74 @@ def bench_plot(doc) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{b['backend']} {b['op']} {b['pass']}\n{b['dtype']} {b['shape']}" for b in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)), 4))
-    xs = range(len(rows))
-    ax.bar(xs, [b["gbps"] for b in rows], color="#2e86c1", label="backend")
-    ax.scatter(xs, [b["copy_gbps"] for b in rows], color="#c0392b", marker="_", s=300,
-               label="memory copy, same bytes", zorder=3)
-    ax.set_xticks(list(xs), labels, rotation=90, fontsize=6)
-    ax.set_ylabel("GB/s (bytes read + written / time)")
-    ax.legend(fontsize=8)
-    ax.set_title("Effective bandwidth against the memory-copy limit (one run)")
+    panels = sorted({(b["op"], b["pass"]) for b in rows})
+    cols = min(2, len(panels))
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(13, 3.4 * nrows), squeeze=False)
+    backends = sorted({b["backend"] for b in rows})
+    colours = dict(zip(backends, ["#2e86c1", "#8e44ad", "#16a085", "#d35400", "#7f8c8d",
+                                  "#c0392b", "#2c3e50"], strict=False))
+    for ax, (op, pass_) in zip(axes.ravel(), panels, strict=False):
+        mine = [b for b in rows if (b["op"], b["pass"]) == (op, pass_)]
+        groups = sorted({(str(b["shape"]), b["dtype"]) for b in mine})
+        width = 0.8 / max(1, len(backends))
+        for j, name in enumerate(backends):
+            for i, g in enumerate(groups):
+                hit = [b for b in mine if b["backend"] == name and (str(b["shape"]), b["dtype"]) == g]
+                if hit:
+                    ax.bar(i + (j - len(backends) / 2 + 0.5) * width, hit[0]["gbps"], width,
+                           color=colours.get(name, "#555"), label=name if i == 0 else None)
+        for i, g in enumerate(groups):
+            copy = [b["copy_gbps"] for b in mine if (str(b["shape"]), b["dtype"]) == g
+                    and b.get("copy_gbps")]
+            if copy:
+                ax.hlines(max(copy), i - 0.45, i + 0.45, colors="#c0392b", lw=2,
+                          label="memory copy" if i == 0 else None)
+        ax.set_xticks(range(len(groups)), [f"{sh}\n{dt}" for sh, dt in groups], fontsize=7)
+        ax.set_title(f"{op}, {pass_}", fontsize=9)
+        ax.set_ylabel("GB/s", fontsize=8)
+        ax.legend(fontsize=6, ncol=3)
+    for ax in axes.ravel()[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle("Effective bandwidth (bytes read + written / time) against a memory copy of "
+                 "the same bytes, one run", fontsize=10)
+    fig.tight_layout()
     return _figure_svg(fig)
+
+
+def _cell(records: list[dict], anchor: dict) -> dict:
+    """One matrix cell: every status its records have (a refusal beside a pass shows
+    both), the worst error relative to its bound, and a link to its first finding."""
+    counts = Counter(r["status"] for r in records)
+    if not records:
+        return {"status": "none", "text": "", "title": "not run", "href": ""}
+    worst = _worst_status(counts)
+    shown = [s for s in STATUS_ORDER if counts.get(s) and s != "unsupported"] or ["unsupported"]
+    ratios = [x for x in (_ratio(r) for r in records) if x is not None]
+    magnitude = ""
+    if ratios:
+        top = max(ratios)
+        magnitude = "inf" if not math.isfinite(top) else (f"{top:.2g}" if top < 10 else f"{top:.0f}")
+    text = " ".join(SYMBOL[s] for s in shown) + (f" {magnitude}" if magnitude else "")
+    title = ", ".join(f"{n} {s}" for s, n in counts.items())
+    if magnitude:
+        title += f"; worst error {magnitude} x its bound"
+    found = [anchor[id(r)] for r in records if id(r) in anchor]
+    return {"status": worst, "text": text, "title": title,
+            "href": f"#{found[0]}" if found else ""}
 
 
 def build_context(doc: dict) -> dict:
     columns = _column_keys(doc)
     dtypes = [d for d in results.DTYPES
               if any(r["dtype"] == d for r in doc["records"])]
+    findings = [r for r in doc["records"] if r["status"] in ("fail", "error", "deviation", "refused")]
+    findings.sort(key=lambda r: (STATUS_ORDER.index(r["status"]), r["backend"], r["check"]))
+    anchor = {id(r): f"finding-{i}" for i, r in enumerate(findings)}
     cells = defaultdict(lambda: defaultdict(list))
     titles = {}
     for r in doc["records"]:
-        cells[r["check"]][(_record_column(r, doc), r["dtype"])].append(r["status"])
+        cells[r["check"]][(_record_column(r, doc), r["dtype"])].append(r)
         titles.setdefault(r["check"], r)
     claims = defaultdict(list)
     for check_id, rec in titles.items():
@@ -134,17 +213,11 @@ def build_context(doc: dict) -> dict:
             continue
         rows = []
         for check_id in claims[claim]:
-            row = {"check": check_id, "cells": []}
-            for col in columns:
-                for d in dtypes:
-                    sts = cells[check_id].get((col, d), [])
-                    c = Counter(sts)
-                    worst = _worst_status(c) if sts else None
-                    row["cells"].append({
-                        "status": worst or "none", "symbol": SYMBOL.get(worst, ""),
-                        "title": ", ".join(f"{n} {s}" for s, n in c.items()) or "not run"})
-            rows.append(row)
-        matrix.append({"claim": claim, "text": claim_text(claim), "rows": rows})
+            rows.append({"check": check_id,
+                         "cells": [_cell(cells[check_id].get((col, d), []), anchor)
+                                   for col in columns for d in dtypes]})
+        matrix.append({"claim": claim, "text": claim_text(claim), "rows": rows,
+                       "anchor": "claim-" + claim.replace("/", "-"), "detail": CLAIMS.get(claim)})
     counts = defaultdict(Counter)
     for r in doc["records"]:
         counts[_record_column(r, doc)][r["status"]] += 1
@@ -166,9 +239,7 @@ def build_context(doc: dict) -> dict:
             line += " (incomplete run: not every check ran)"
         verdicts.append({"column": col, "backend": b, "counts": dict(c), "line": line,
                          "failing": failing})
-    findings = [dict(r, claim_text=claim_text(r["claim"]))
-                for r in doc["records"] if r["status"] in ("fail", "error", "deviation", "refused")]
-    findings.sort(key=lambda r: (STATUS_ORDER.index(r["status"]), r["backend"], r["check"]))
+    findings = [dict(r, claim_text=claim_text(r["claim"]), anchor=anchor[id(r)]) for r in findings]
     return {"doc": doc, "columns": columns, "dtypes": dtypes, "matrix": matrix,
             "verdicts": verdicts, "findings": findings, "statuses": results.STATUSES,
             "symbols": SYMBOL, "error_svg": error_plot(doc), "bench_svg": bench_plot(doc),

@@ -37,9 +37,10 @@ def optional_float64(name: str, x) -> np.ndarray | None:
 def check_eps(eps) -> float:
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
         raise TypeError(f"eps must be a real number, got {eps!r}")
-    if not np.isfinite(eps) or eps < 0:
+    value = float(eps)
+    if not np.isfinite(value) or value < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
-    return float(eps)
+    return value
 
 
 def check_momentum(momentum) -> float | None:
@@ -47,9 +48,10 @@ def check_momentum(momentum) -> float | None:
         return None
     if not isinstance(momentum, numbers.Real) or isinstance(momentum, bool):
         raise TypeError(f"momentum must be a real number in [0, 1] or None, got {momentum!r}")
-    if not 0.0 <= momentum <= 1.0:
+    value = float(momentum)
+    if not 0.0 <= value <= 1.0:
         raise ValueError(f"momentum must lie in [0, 1], got {momentum!r}")
-    return float(momentum)
+    return value
 
 
 def normalized_axes(x: np.ndarray, normalized_shape) -> tuple[int, ...]:

@@ -56,6 +56,8 @@ CATCHES = {
     "F4.momentum_meaning": (bb.FlippedMomentum, "float32"),
     "protocol.eps_zero": (bb.DeclaresRefusalButAccepts, "float32"),
     "protocol.parameter_dtype": (bb.DeclaresFloat32Parameters, "float64"),
+    "E1.worked_example": (bb.RmsSubtractsMean, "float32"),
+    "E2.worked_example": (bb.RmsSubtractsMean, "float32"),
 }
 
 # the list of defects, each with a check that catches it; and a backend that

@@ -15,7 +15,8 @@ class Check:
     """A check: `id` starts with the claim id it verifies ("F2.values"); `ops` are the
     backend ops it drives; `needs` names capability flags it requires ("gradients",
     "no_grad_mode", "cumulative_momentum", "untracked_stats"); `dtypes`, when given,
-    restricts the dtypes it applies to."""
+    restricts the dtypes it applies to; `also` names further claims it verifies on the
+    way (B7's check runs E4's numbers)."""
 
     id: str
     claim: str
@@ -24,20 +25,24 @@ class Check:
     fn: Callable
     needs: tuple[str, ...] = ()
     dtypes: tuple[str, ...] | None = None
+    also: tuple[str, ...] = ()
+
+    def verifies(self, claim_id: str) -> bool:
+        return claim_id == self.claim or claim_id in self.claim.split("/") or claim_id in self.also
 
 
 def check(id: str, *, title: str, ops: tuple[str, ...], needs: tuple[str, ...] = (),
-          dtypes: tuple[str, ...] | None = None):
+          dtypes: tuple[str, ...] | None = None, also: tuple[str, ...] = ()):
     def register(fn):
         CHECKS.append(Check(id=id, claim=id.split(".")[0], title=title, ops=ops, fn=fn,
-                            needs=needs, dtypes=dtypes))
+                            needs=needs, dtypes=dtypes, also=also))
         return fn
     return register
 
 
-#: The families, in the order the issue lists them and the report shows them.
-FAMILIES = ("values", "gradients", "invariance", "batchnorm_state", "batchnorm_matrix",
-            "accumulation", "qk_bound", "robustness", "contract")
+#: The families, in the order the report shows them.
+FAMILIES = ("worked_examples", "values", "gradients", "invariance", "batchnorm_state",
+            "batchnorm_matrix", "accumulation", "qk_bound", "robustness", "contract")
 
 
 def all_checks() -> list[Check]:

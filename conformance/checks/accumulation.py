@@ -20,7 +20,7 @@ E4_GRAD_SECOND = Literal(values=((0.25,), (2.0,)))
 
 @check("B7.accumulation", title="E4: one batch [0,2,10,12] against micro-batches [0,2], "
        "[10,12]: outputs, running statistics and gradients differ as the oracle says",
-       ops=("batch_norm",), needs=("gradients",))
+       ops=("batch_norm",), needs=("gradients",), also=("E4",))
 def accumulation(ctx):
     for eps in (0.0, 1e-5):
         with ctx.case("E4, eps = 0 as the document" if eps == 0 else "E4, eps = 1e-5"):

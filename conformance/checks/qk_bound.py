@@ -51,7 +51,7 @@ def bound_holds(ctx):
         _assert_bound(ctx, got, 128, float(np.sqrt(128)), "scores")
 
 
-@check("E6.scale_invariance", title="E5/E6: scaling W_Q and W_K (q = [2,1] -> [6,3], keys "
+@check("E6.scale_invariance", also=("E5",), title="E5/E6: scaling W_Q and W_K (q = [2,1] -> [6,3], keys "
        "x3) no longer changes the scores", ops=("qk_norm_scores",))
 def scale_invariance(ctx):
     q, k = Literal(values=(((2.0, 1.0),),)), Literal(values=(((1.0, 0.0), (0.0, 1.0)),))

@@ -20,7 +20,8 @@ LONG_ROW = 70_003  # > 65536 and odd: exercises tails and 16-bit index overflow
 QK_SCALES = (1.0, 0.1)
 
 
-@check("F2.values", title="LayerNorm forward equals the oracle", ops=("layer_norm",))
+@check("F2.values", title="LayerNorm forward equals the oracle", ops=("layer_norm",),
+       also=("B8",))
 def layer_norm_values(ctx):
     ctx.explore("drawn shapes and values", ns.layer_norm_cases(),
                 lambda case: layer_norm_case(ctx, **case))
