@@ -250,6 +250,7 @@ def cmd_run(args) -> int:
             (RESULTS_DIR / LATEST).write_text(stem + "\n", encoding="utf-8")
 
     verbose = not args.quiet
+    previous = _previous_timing()
     with _Signals():
         try:
             doc = runner.run(args.backend or None, checks=args.check or None,
@@ -258,7 +259,7 @@ def cmd_run(args) -> int:
                              record_unavailable=args.record_unavailable,
                              progress=(lambda m: print(m, flush=True)) if verbose else None,
                              on_start=on_start, on_record=lambda r: stream[0].record(r),
-                             on_done=lambda u: stream[0].done(u))
+                             on_done=lambda u: stream[0].done(u), previous=previous)
         except runner.Stopped as exc:  # stopped while the backends were loading: no work done
             print(f"normspec run: stopped by {exc.signal_name} before any check ran; "
                   "nothing was written", file=sys.stderr)
@@ -282,10 +283,38 @@ def cmd_run(args) -> int:
               + (f" (report: {html_path})" if html_path else ""), file=sys.stderr)
         return 128 + signal.Signals[info["stopped_by"]].value
     failing = print_summary(doc)
+    print_timing(doc)
     print(f"\nresults: {json_path}  ({len(doc['records'])} records, {info['duration_s']} s)")
     if html_path is not None:
         print(f"report:  {html_path}")
     return 1 if failing else 0
+
+
+def _previous_timing() -> dict[str, float]:
+    """Seconds of checks per backend in the latest run here, if it can be read."""
+    try:
+        stem = (RESULTS_DIR / LATEST).read_text(encoding="utf-8").strip()
+        doc = results.read(RESULTS_DIR / f"{stem}.json")
+        return {b: float(t["checks_s"]) for b, t in doc["runs"][0].get("timing", {}).items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def print_timing(doc: dict, out=None) -> None:
+    """Where the time went: per backend, its load (imports, framework start-up) and its
+    checks, with the three costliest check families. JIT and XLA compilation happen
+    inside the checks that first meet a shape; compare a cold and a warm run to see it."""
+    timing = doc["runs"][0].get("timing") or {}
+    if not timing:
+        return
+    rows: list[list[Any]] = [["backend", "ready after", "checks", "costliest families"]]
+    for name, t in sorted(timing.items(), key=lambda kv: -kv[1]["checks_s"]):
+        top = sorted(t["families"].items(), key=lambda kv: -kv[1])[:3]
+        rows.append([name, f"{t['load_s']:.1f} s", f"{t['checks_s']:.1f} s",
+                     ", ".join(f"{f} {s:.1f} s" for f, s in top)])
+    print("\nwhere the time went (backends run side by side, --jobs at a time):",
+          file=out or sys.stdout)
+    _print_table(rows, out)
 
 
 def print_summary(doc: dict, out=None) -> int:

@@ -117,6 +117,9 @@ class _Run:
         self.workers: dict[str, Worker] = {}
         self.records: dict[tuple, list[dict]] = {}
         self.done: set[tuple] = set()
+        #: where the time went, per backend: loading, and checks per family
+        self.timing: dict[str, dict] = {}
+        self.family = {c.id: c.fn.__module__.rsplit(".", 1)[-1] for c in all_checks()}
 
     def _keep(self, unit, rec: dict) -> None:
         rec["run"] = self.label
@@ -127,11 +130,15 @@ class _Run:
     def load(self, names: list[str]) -> list[Worker]:
         """Start every backend's process at once and wait until each has loaded."""
         workers = [Worker(n, self.label) for n in names]
+        start = time.perf_counter()
         for w in workers:
             self.workers[w.requested] = w
             w.start()
         for w in workers:
             w.wait_loaded(self.timeout)
+            # loads overlap: this is when the backend was ready, counted from the start
+            self.timing[w.entry["name"]] = {"load_s": round(time.perf_counter() - start, 2),
+                                            "checks_s": 0.0, "families": {}}
         return workers
 
     def drive(self, worker: Worker, units: list[tuple]) -> None:
@@ -147,9 +154,14 @@ class _Run:
                                   on_record=lambda rec, u=unit: self._keep(u, rec))
             if self.stopping.is_set():
                 return  # the unit was cut short by the stop, not by the backend
+            spent = time.perf_counter() - t0
             with self.lock:
                 self.done.add(unit)
                 self.on_done(unit)
+                t = self.timing[name]
+                t["checks_s"] = round(t["checks_s"] + spent, 2)
+                fam = self.family.get(check_id, "other")
+                t["families"][fam] = round(t["families"].get(fam, 0.0) + spent, 2)
             if recs:
                 counts = ", ".join(f"{n} {s}" for s, n in _count(recs).items())
                 self.say(f"{name:>8} {check_id:<26} {dtype:<9} {counts} "
@@ -168,7 +180,8 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
         record_unavailable: bool = False, progress: Callable[[str], None] | None = None,
         on_start: Callable[[dict, list], object] | None = None,
         on_record: Callable[[dict], None] | None = None,
-        on_done: Callable[[tuple], None] | None = None) -> dict:
+        on_done: Callable[[tuple], None] | None = None,
+        previous: dict[str, float] | None = None) -> dict:
     """Run the conformance suite and return the results document (see results.py).
 
     `backends` None means every backend found; those whose framework is missing are
@@ -176,7 +189,8 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     BackendNotUsable before any check runs, unless `record_unavailable`, which records it
     as an error. `on_start(doc, plan)` is called once the backends are loaded and before
     the first check; `on_record(record)` with each record as it arrives, `on_done(unit)`
-    when a unit finishes. Ctrl-C or `Stopped` end the run early: the document returned
+    when a unit finishes. `previous` (backend -> seconds of checks, from an earlier run)
+    starts the slowest backend first. Ctrl-C or `Stopped` end the run early: the document returned
     then has `complete` False, `stopped_by`, and the units `not_reached`.
     """
     say = progress or (lambda _msg: None)
@@ -219,7 +233,10 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
                                  dtype="-", case="load", status="error", seed=seed,
                                  message=f"backend {w.requested!r} could not be used: {w.error}")
                     state._keep((w.requested, "load", "-"), rec.to_json())
-        usable = [w for w in workers if w not in unusable]
+        # the slowest backend first (by the previous run, where known): two cores finish
+        # sooner when the long job does not start last
+        usable = sorted((w for w in workers if w not in unusable),
+                        key=lambda w: -float((previous or {}).get(w.entry["name"], 0.0)))
         units = plan([w.entry["name"] for w in usable], selected, dtypes)
         if on_start is not None:
             on_start(doc, units)
@@ -244,6 +261,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
         entry["stale_deviations"] = deviations.stale(entry.get("deviations", []), mine)
     run_doc = doc["runs"][0]
     not_reached = [list(u) for u in units if u not in state.done]
+    run_doc["timing"] = state.timing
     run_doc.update(duration_s=round(time.perf_counter() - start, 1), planned=len(units),
                    complete=not stopped_by and not not_reached, stopped_by=stopped_by,
                    not_reached=not_reached)

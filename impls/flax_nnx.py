@@ -16,6 +16,7 @@ to the numbers is what normspec reports.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -40,6 +41,14 @@ def _import():
     except ImportError as exc:
         raise BackendUnavailable(f"jax/flax is not installed: {exc}") from exc
     jax.config.update("jax_enable_x64", True)  # float64 is one of the dtypes under test
+    # XLA compiles every new shape (~0.2 s each): keep the executables on disk so a
+    # second run reuses them (JAX's persistent compilation cache; it changes no result)
+    cache = os.environ.get("NORMSPEC_JAX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "normspec", "jax")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return flax, jax, jnp, nnx
 
 

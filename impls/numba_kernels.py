@@ -6,15 +6,12 @@ then the row is normalized from cache and written once; the forward gathers the 
 row's statistics in the loop that writes this one, so reading and writing overlap.
 float16 and bfloat16 are computed in float32 and cast back once: the forward kernel
 decodes and encodes the 16-bit values itself (round to nearest even); the backward
-converts them in NumPy around the float32 kernel. Fast-math is restricted to
-reassociation, contraction and no-signed-zeros, which is what lets LLVM vectorize the
-reductions; 'nnan'/'ninf' are left out on purpose, so NaN and inf propagate as IEEE
-arithmetic says (the F2/F3.nan_inf check).
+converts them in NumPy around the float32 kernel. The kernels live in _numba_rows.py,
+_numba_codec.py and _numba_bn.py, compiled as _numba_jit.py says (fast-math that keeps
+NaN and inf, cached on disk).
 """
 
 from __future__ import annotations
-
-import math
 
 import ml_dtypes
 import numpy as np
@@ -32,13 +29,11 @@ from .protocol import (
     np_dtype,
 )
 
-FASTMATH = {"reassoc", "contract", "nsz"}
 HALF = tuple(np_dtype(name) for name in HALF_DTYPES)
 _FMT = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1}
 
 try:
     import numba
-    from numba import njit, prange
 except ImportError as exc:  # the registry reports the backend as unavailable
     numba = None
     _IMPORT_ERROR = exc
@@ -47,267 +42,14 @@ else:
 
 
 def _kernels():
-    """Compile lazily, once: importing this module never pays for compilation."""
-    if _kernels.cache is not None:
-        return _kernels.cache
-    jit = njit(parallel=True, fastmath=FASTMATH, cache=False, nogil=True)
-    inline = njit(fastmath=FASTMATH, inline="always")
+    """The compiled kernels, imported on first use: importing this module never pays for
+    compilation, and Numba's on-disk cache means only the first process ever does."""
+    from . import _numba_bn as bn
+    from . import _numba_rows as rows
 
-    @inline
-    def shifted_sums(xr, d):
-        """Sums of (x - k) and (x - k)^2 in float64 with k = x[0]: one read of the row, and
-        k lies within a few spreads of the mean, so s2/d - (s1/d)^2 does not cancel (the
-        shifted-data variance), however large the mean."""
-        k = np.float64(xr[0])
-        s1 = 0.0
-        s2 = 0.0
-        for j in range(d):
-            v = np.float64(xr[j]) - k
-            s1 += v
-            s2 += v * v
-        return k, s1, s2
-
-    @inline
-    def moments(k, s1, s2, d, eps):
-        m1 = s1 / d
-        var = s2 / d - m1 * m1
-        if var < 0.0:  # rounding only; written so that NaN stays NaN
-            var = 0.0
-        return k + m1, 1.0 / math.sqrt(var + eps)
-
-    @inline
-    def sum_squares(xr, d):
-        s = 0.0
-        for j in range(d):
-            v = np.float64(xr[j])
-            s += v * v
-        return s
-
-    @jit
-    def ln_fwd(x, w, b, eps, y, mean_out, rstd_out, n_chunks):
-        """Rows in contiguous chunks, one per thread; while row r is normalized from cache
-        the statistics of row r + 1 are gathered in the same loop, so the read stream of
-        the next row overlaps the write stream of this one."""
-        rows, d = x.shape
-        per = (rows + n_chunks - 1) // n_chunks
-        for c in prange(n_chunks):
-            r0, r1 = c * per, min(rows, (c + 1) * per)
-            if r0 >= r1:
-                continue
-            k, s1, s2 = shifted_sums(x[r0], d)
-            for r in range(r0, r1):
-                mu, rstd = moments(k, s1, s2, d, eps)
-                mean_out[r], rstd_out[r] = mu, rstd
-                m_t, s_t = x.dtype.type(mu), x.dtype.type(rstd)
-                xr, yr = x[r], y[r]
-                if r + 1 < r1:
-                    xn = x[r + 1]
-                    k = np.float64(xn[0])
-                    s1 = 0.0
-                    s2 = 0.0
-                    for j in range(d):
-                        yr[j] = (xr[j] - m_t) * s_t * w[j] + b[j]
-                        v = np.float64(xn[j]) - k
-                        s1 += v
-                        s2 += v * v
-                else:
-                    for j in range(d):
-                        yr[j] = (xr[j] - m_t) * s_t * w[j] + b[j]
-
-    @jit
-    def rms_fwd(x, w, eps, y, rstd_out, n_chunks):
-        """As ln_fwd: the sum of squares of row r + 1 is taken while row r is written."""
-        rows, d = x.shape
-        per = (rows + n_chunks - 1) // n_chunks
-        for c in prange(n_chunks):
-            r0, r1 = c * per, min(rows, (c + 1) * per)
-            if r0 >= r1:
-                continue
-            sq = sum_squares(x[r0], d)
-            for r in range(r0, r1):
-                rstd = 1.0 / math.sqrt(sq / d + eps)
-                rstd_out[r] = rstd
-                s_t = x.dtype.type(rstd)
-                xr, yr = x[r], y[r]
-                if r + 1 < r1:
-                    xn = x[r + 1]
-                    sq = 0.0
-                    for j in range(d):
-                        yr[j] = xr[j] * s_t * w[j]
-                        v = np.float64(xn[j])
-                        sq += v * v
-                else:
-                    for j in range(d):
-                        yr[j] = xr[j] * s_t * w[j]
-
-    @jit
-    def norm_bwd(x, w, g, mean, rstd, dx, dw_part, db_part, n_chunks, centre):
-        """dx = r (h - mean(h) - x_hat mean(h x_hat)), h = g gamma (without the mean(h) term
-        and with x_hat = x r for RMSNorm). Each chunk of rows keeps float64 partial sums of
-        g x_hat and g; the caller adds the chunks (dL/dgamma, dL/dbeta)."""
-        rows, d = x.shape
-        per = (rows + n_chunks - 1) // n_chunks
-        for c in prange(n_chunks):
-            dwc, dbc = dw_part[c], db_part[c]
-            for r in range(c * per, min(rows, (c + 1) * per)):
-                mu, s = mean[r], rstd[r]
-                xr, gr, dxr = x[r], g[r], dx[r]
-                sh = 0.0
-                shx = 0.0
-                for j in range(d):
-                    gv = np.float64(gr[j])
-                    xh = (np.float64(xr[j]) - mu) * s
-                    h = gv * w[j]
-                    sh += h
-                    shx += h * xh
-                    dwc[j] += gv * xh
-                    dbc[j] += gv
-                mh = sh / d if centre else 0.0
-                mhx = shx / d
-                for j in range(d):
-                    xh = (np.float64(xr[j]) - mu) * s
-                    dxr[j] = s * (np.float64(gr[j]) * w[j] - mh - xh * mhx)
-
-    # ---- float16 / bfloat16 in the kernel: bits in, bits out, float32 in between ----
-    @inline
-    def decode(h, fmt):
-        """uint16 bits (fmt 0: float16, 1: bfloat16) -> float32 bits. float16 finite values
-        come out with the exponent still biased by 15: the caller multiplies by 2^112,
-        which rebiases normals and subnormals alike, exactly."""
-        h = np.uint32(h)
-        if fmt == 1:
-            return h << np.uint32(16)
-        sign = (h & np.uint32(0x8000)) << np.uint32(16)
-        mag = (h & np.uint32(0x7FFF)) << np.uint32(13)
-        if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):  # inf, nan
-            return sign | np.uint32(0x7F800000) | mag
-        return sign | mag
-
-    @inline
-    def encode(v, bits, fmt):
-        """float32 value (and its bits) -> uint16 bits, rounded to nearest, ties to even
-        (checked against NumPy's and ml_dtypes' casts on every float16 and 5M float32)."""
-        sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
-        a = bits & np.uint32(0x7FFFFFFF)
-        if fmt == 1:
-            if a > np.uint32(0x7F800000):
-                return np.uint16(sign | np.uint32(0x7FC0))
-            return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-                             >> np.uint32(16))
-        if a >= np.uint32(0x47800000):  # |v| >= 65536: inf, or nan
-            nan = a > np.uint32(0x7F800000)
-            return np.uint16(sign | (np.uint32(0x7E00) if nan else np.uint32(0x7C00)))
-        if a < np.uint32(0x38800000):  # a float16 subnormal: exact after scaling by 2^24
-            return np.uint16(sign | np.uint32(np.rint(abs(v) * np.float32(16777216.0))))
-        odd = (a >> np.uint32(13)) & np.uint32(1)
-        a = a - np.uint32(0x38000000) + np.uint32(0xFFF) + odd  # rebias 127 -> 15, round
-        return np.uint16(sign | (a >> np.uint32(13)))
-
-    @inline
-    def decode_row(src, dst_bits, dst, fmt):
-        for j in range(src.shape[0]):
-            dst_bits[j] = decode(src[j], fmt)
-        if fmt == 0:
-            for j in range(src.shape[0]):
-                if (src[j] & np.uint16(0x7C00)) != np.uint16(0x7C00):
-                    dst[j] = dst[j] * np.float32(2.0**112)
-
-    @inline
-    def encode_row(src, src_bits, dst, fmt):
-        for j in range(src.shape[0]):
-            dst[j] = encode(src[j], src_bits[j], fmt)
-
-    @jit
-    def half_fwd(x16, w, b, eps, y16, mean_out, rstd_out, n_chunks, fmt, centre):
-        """LayerNorm (centre) or RMSNorm forward on float16/bfloat16 bits: each row is
-        decoded into a float32 scratch row, normalized there (statistics in float64) and
-        encoded once into the output."""
-        rows, d = x16.shape
-        per = (rows + n_chunks - 1) // n_chunks
-        for c in prange(n_chunks):
-            x_bits = np.empty(d, np.uint32)
-            xf = x_bits.view(np.float32)
-            yf = np.empty(d, np.float32)
-            y_bits = yf.view(np.uint32)
-            for r in range(c * per, min(rows, (c + 1) * per)):
-                decode_row(x16[r], x_bits, xf, fmt)
-                if centre:
-                    k, s1, s2 = shifted_sums(xf, d)
-                    mu, rstd = moments(k, s1, s2, d, eps)
-                else:
-                    mu, rstd = 0.0, 1.0 / math.sqrt(sum_squares(xf, d) / d + eps)
-                mean_out[r], rstd_out[r] = mu, rstd
-                m32, s32 = np.float32(mu), np.float32(rstd)
-                for j in range(d):
-                    yf[j] = (xf[j] - m32) * s32 * w[j] + b[j]
-                encode_row(yf, y_bits, y16[r], fmt)
-
-    @jit
-    def bn_stats(x, mean_out, sumsq_out):
-        n, ch, length = x.shape
-        for c in prange(ch):
-            acc = 0.0
-            for i in range(n):
-                for l_ in range(length):
-                    acc += np.float64(x[i, c, l_])
-            mu = acc / (n * length)
-            sq = 0.0
-            for i in range(n):
-                for l_ in range(length):
-                    v = np.float64(x[i, c, l_]) - mu
-                    sq += v * v
-            mean_out[c] = mu
-            sumsq_out[c] = sq
-
-    @jit
-    def bn_apply(x, mean, var, w, b, eps, y):
-        n, ch, length = x.shape
-        for c in prange(ch):
-            s = 1.0 / math.sqrt(var[c] + eps)
-            for i in range(n):
-                for l_ in range(length):
-                    y[i, c, l_] = (np.float64(x[i, c, l_]) - mean[c]) * s * w[c] + b[c]
-
-    @jit
-    def bn_bwd(x, w, g, mean, var, eps, dx, dw, db, batch):
-        """dL/dx, dL/dgamma, dL/dbeta per channel. With `batch` the statistics are the
-        batch's, functions of x: dx = r (h - mean(h) - x_hat mean(h x_hat)). Without (eval
-        on running statistics) they are constants and dx = r h, h = g gamma; dL/dgamma and
-        dL/dbeta are sum g x_hat and sum g either way, x_hat from the statistics given."""
-        n, ch, length = x.shape
-        m = n * length
-        for c in prange(ch):
-            s = 1.0 / math.sqrt(var[c] + eps)
-            sh = 0.0
-            shx = 0.0
-            sg = 0.0
-            sgx = 0.0
-            for i in range(n):
-                for l_ in range(length):
-                    xh = (np.float64(x[i, c, l_]) - mean[c]) * s
-                    gv = np.float64(g[i, c, l_])
-                    sh += gv * w[c]
-                    shx += gv * w[c] * xh
-                    sg += gv
-                    sgx += gv * xh
-            dw[c] = sgx
-            db[c] = sg
-            if not batch:
-                for i in range(n):
-                    for l_ in range(length):
-                        dx[i, c, l_] = s * np.float64(g[i, c, l_]) * w[c]
-                continue
-            for i in range(n):
-                for l_ in range(length):
-                    xh = (np.float64(x[i, c, l_]) - mean[c]) * s
-                    dx[i, c, l_] = s * (np.float64(g[i, c, l_]) * w[c] - sh / m - xh * shx / m)
-
-    _kernels.cache = dict(ln_fwd=ln_fwd, rms_fwd=rms_fwd, norm_bwd=norm_bwd, half_fwd=half_fwd,
-                          bn_stats=bn_stats, bn_apply=bn_apply, bn_bwd=bn_bwd)
-    return _kernels.cache
-
-
-_kernels.cache = None
+    return dict(ln_fwd=rows.ln_fwd, rms_fwd=rows.rms_fwd, norm_bwd=rows.norm_bwd,
+                half_fwd=rows.half_fwd, bn_stats=bn.bn_stats, bn_apply=bn.bn_apply,
+                bn_bwd=bn.bn_bwd)
 
 
 def _rows(a, d, ct):

@@ -1,0 +1,71 @@
+"""The BatchNorm kernels: per-channel statistics over the batch and every axis after the
+channel (float64 accumulation), the normalization, and the backward (the training
+formula with batch statistics, dx = gamma g r with running ones)."""
+
+import math
+
+import numpy as np
+from numba import prange
+
+from ._numba_jit import jit
+
+
+@jit
+def bn_stats(x, mean_out, sumsq_out):
+    n, ch, length = x.shape
+    for c in prange(ch):
+        acc = 0.0
+        for i in range(n):
+            for l_ in range(length):
+                acc += np.float64(x[i, c, l_])
+        mu = acc / (n * length)
+        sq = 0.0
+        for i in range(n):
+            for l_ in range(length):
+                v = np.float64(x[i, c, l_]) - mu
+                sq += v * v
+        mean_out[c] = mu
+        sumsq_out[c] = sq
+
+@jit
+def bn_apply(x, mean, var, w, b, eps, y):
+    n, ch, length = x.shape
+    for c in prange(ch):
+        s = 1.0 / math.sqrt(var[c] + eps)
+        for i in range(n):
+            for l_ in range(length):
+                y[i, c, l_] = (np.float64(x[i, c, l_]) - mean[c]) * s * w[c] + b[c]
+
+@jit
+def bn_bwd(x, w, g, mean, var, eps, dx, dw, db, batch):
+    """dL/dx, dL/dgamma, dL/dbeta per channel. With `batch` the statistics are the
+    batch's, functions of x: dx = r (h - mean(h) - x_hat mean(h x_hat)). Without (eval
+    on running statistics) they are constants and dx = r h, h = g gamma; dL/dgamma and
+    dL/dbeta are sum g x_hat and sum g either way, x_hat from the statistics given."""
+    n, ch, length = x.shape
+    m = n * length
+    for c in prange(ch):
+        s = 1.0 / math.sqrt(var[c] + eps)
+        sh = 0.0
+        shx = 0.0
+        sg = 0.0
+        sgx = 0.0
+        for i in range(n):
+            for l_ in range(length):
+                xh = (np.float64(x[i, c, l_]) - mean[c]) * s
+                gv = np.float64(g[i, c, l_])
+                sh += gv * w[c]
+                shx += gv * w[c] * xh
+                sg += gv
+                sgx += gv * xh
+        dw[c] = sgx
+        db[c] = sg
+        if not batch:
+            for i in range(n):
+                for l_ in range(length):
+                    dx[i, c, l_] = s * np.float64(g[i, c, l_]) * w[c]
+            continue
+        for i in range(n):
+            for l_ in range(length):
+                xh = (np.float64(x[i, c, l_]) - mean[c]) * s
+                dx[i, c, l_] = s * (np.float64(g[i, c, l_]) * w[c] - sh / m - xh * shx / m)

@@ -1,0 +1,156 @@
+"""The row kernels of LayerNorm and RMSNorm: statistics from one read of each row
+(shifted-data sums in float64, which a large mean cannot cancel), the forward that
+gathers the next row's statistics while it writes this one, the backward with partial
+dgamma/dbeta sums per chunk of rows, and the half-precision forward that decodes and
+encodes the 16-bit values itself."""
+
+import math
+
+import numpy as np
+from numba import prange
+
+from ._numba_codec import decode_row, encode_row
+from ._numba_jit import inline, jit
+
+
+@inline
+def shifted_sums(xr, d):
+    """Sums of (x - k) and (x - k)^2 in float64 with k = x[0]: one read of the row, and
+    k lies within a few spreads of the mean, so s2/d - (s1/d)^2 does not cancel (the
+    shifted-data variance), however large the mean."""
+    k = np.float64(xr[0])
+    s1 = 0.0
+    s2 = 0.0
+    for j in range(d):
+        v = np.float64(xr[j]) - k
+        s1 += v
+        s2 += v * v
+    return k, s1, s2
+
+@inline
+def moments(k, s1, s2, d, eps):
+    m1 = s1 / d
+    var = s2 / d - m1 * m1
+    if var < 0.0:  # rounding only; written so that NaN stays NaN
+        var = 0.0
+    return k + m1, 1.0 / math.sqrt(var + eps)
+
+@inline
+def sum_squares(xr, d):
+    s = 0.0
+    for j in range(d):
+        v = np.float64(xr[j])
+        s += v * v
+    return s
+
+
+@jit
+def ln_fwd(x, w, b, eps, y, mean_out, rstd_out, n_chunks):
+    """Rows in contiguous chunks, one per thread; while row r is normalized from cache
+    the statistics of row r + 1 are gathered in the same loop, so the read stream of
+    the next row overlaps the write stream of this one."""
+    rows, d = x.shape
+    per = (rows + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        r0, r1 = c * per, min(rows, (c + 1) * per)
+        if r0 >= r1:
+            continue
+        k, s1, s2 = shifted_sums(x[r0], d)
+        for r in range(r0, r1):
+            mu, rstd = moments(k, s1, s2, d, eps)
+            mean_out[r], rstd_out[r] = mu, rstd
+            m_t, s_t = x.dtype.type(mu), x.dtype.type(rstd)
+            xr, yr = x[r], y[r]
+            if r + 1 < r1:
+                xn = x[r + 1]
+                k = np.float64(xn[0])
+                s1 = 0.0
+                s2 = 0.0
+                for j in range(d):
+                    yr[j] = (xr[j] - m_t) * s_t * w[j] + b[j]
+                    v = np.float64(xn[j]) - k
+                    s1 += v
+                    s2 += v * v
+            else:
+                for j in range(d):
+                    yr[j] = (xr[j] - m_t) * s_t * w[j] + b[j]
+
+@jit
+def rms_fwd(x, w, eps, y, rstd_out, n_chunks):
+    """As ln_fwd: the sum of squares of row r + 1 is taken while row r is written."""
+    rows, d = x.shape
+    per = (rows + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        r0, r1 = c * per, min(rows, (c + 1) * per)
+        if r0 >= r1:
+            continue
+        sq = sum_squares(x[r0], d)
+        for r in range(r0, r1):
+            rstd = 1.0 / math.sqrt(sq / d + eps)
+            rstd_out[r] = rstd
+            s_t = x.dtype.type(rstd)
+            xr, yr = x[r], y[r]
+            if r + 1 < r1:
+                xn = x[r + 1]
+                sq = 0.0
+                for j in range(d):
+                    yr[j] = xr[j] * s_t * w[j]
+                    v = np.float64(xn[j])
+                    sq += v * v
+            else:
+                for j in range(d):
+                    yr[j] = xr[j] * s_t * w[j]
+
+@jit
+def norm_bwd(x, w, g, mean, rstd, dx, dw_part, db_part, n_chunks, centre):
+    """dx = r (h - mean(h) - x_hat mean(h x_hat)), h = g gamma (without the mean(h) term
+    and with x_hat = x r for RMSNorm). Each chunk of rows keeps float64 partial sums of
+    g x_hat and g; the caller adds the chunks (dL/dgamma, dL/dbeta)."""
+    rows, d = x.shape
+    per = (rows + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        dwc, dbc = dw_part[c], db_part[c]
+        for r in range(c * per, min(rows, (c + 1) * per)):
+            mu, s = mean[r], rstd[r]
+            xr, gr, dxr = x[r], g[r], dx[r]
+            sh = 0.0
+            shx = 0.0
+            for j in range(d):
+                gv = np.float64(gr[j])
+                xh = (np.float64(xr[j]) - mu) * s
+                h = gv * w[j]
+                sh += h
+                shx += h * xh
+                dwc[j] += gv * xh
+                dbc[j] += gv
+            mh = sh / d if centre else 0.0
+            mhx = shx / d
+            for j in range(d):
+                xh = (np.float64(xr[j]) - mu) * s
+                dxr[j] = s * (np.float64(gr[j]) * w[j] - mh - xh * mhx)
+
+
+@jit
+def half_fwd(x16, w, b, eps, y16, mean_out, rstd_out, n_chunks, fmt, centre):
+    """LayerNorm (centre) or RMSNorm forward on float16/bfloat16 bits: each row is
+    decoded into a float32 scratch row, normalized there (statistics in float64) and
+    encoded once into the output."""
+    rows, d = x16.shape
+    per = (rows + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        x_bits = np.empty(d, np.uint32)
+        xf = x_bits.view(np.float32)
+        yf = np.empty(d, np.float32)
+        y_bits = yf.view(np.uint32)
+        for r in range(c * per, min(rows, (c + 1) * per)):
+            decode_row(x16[r], x_bits, xf, fmt)
+            if centre:
+                k, s1, s2 = shifted_sums(xf, d)
+                mu, rstd = moments(k, s1, s2, d, eps)
+            else:
+                mu, rstd = 0.0, 1.0 / math.sqrt(sum_squares(xf, d) / d + eps)
+            mean_out[r], rstd_out[r] = mu, rstd
+            m32, s32 = np.float32(mu), np.float32(rstd)
+            for j in range(d):
+                yf[j] = (xf[j] - m32) * s32 * w[j] + b[j]
+            encode_row(yf, y_bits, y16[r], fmt)
