@@ -116,24 +116,23 @@ def cmd_checks(args) -> int:
 
 
 # ------------------------------------------------------------------ run
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return v
+def _whole(lo: int, hi: int | None = None):
+    """An argparse type: a whole number from lo (to hi - 1), named in the error."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if v < lo or (hi is not None and v >= hi):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} must be at least {lo}" if hi is None else
+                f"{text!r} must be from {lo} to {'2**63' if hi == 2**63 else hi} - 1")
+        return v
+    return parse
 
 
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 0 <= v < 2**63:
-        raise argparse.ArgumentTypeError(f"{text!r} must be from 0 to 2**63 - 1")
-    return v
+_positive_int = _whole(1)
+_seed = _whole(0, 2**63)
 
 
 def _seconds(text: str) -> float:

@@ -123,6 +123,18 @@ def batch_norm_eval(x, running_mean, running_var, weight=None, bias=None, eps=1e
 
 
 @ieee
+def train_vjp_inputs(x, grad_output, weight, bias, eps):
+    """The validated inputs of a training-mode BatchNorm VJP and the batch statistics it
+    needs: (x, g, weight, bias, mu, r = 1/sqrt(v_b + eps), axes, bshape), float64."""
+    x = as_float64("x", x)
+    g = as_float64("grad_output", grad_output)
+    check_same_shape("grad_output", g, x.shape)
+    weight, bias, _, _ = _params(x, weight, bias, None, None)
+    eps = check_eps(eps)
+    mu, sum_sq, m, axes, bshape = _batch_stats(x)
+    return x, g, weight, bias, mu, 1.0 / np.sqrt(sum_sq / m + eps), axes, bshape
+
+
 def batch_norm_train_vjp(x, grad_output, weight=None, bias=None, eps=1e-5):
     """Closed-form gradients of the F1 training forward (batch statistics depend on x).
 
@@ -130,13 +142,8 @@ def batch_norm_train_vjp(x, grad_output, weight=None, bias=None, eps=1e-5):
     per-channel reduction axes: dL/dx = r (h - mean(h) - x_hat mean(h x_hat)),
     dL/dgamma = sum g x_hat, dL/dbeta = sum g. Returns (grad_x, grad_weight, grad_bias).
     """
-    x = as_float64("x", x)
-    g = as_float64("grad_output", grad_output)
-    check_same_shape("grad_output", g, x.shape)
-    weight, bias, _, _ = _params(x, weight, bias, None, None)
-    eps = check_eps(eps)
-    mu, sum_sq, m, axes, bshape = _batch_stats(x)
-    r = 1.0 / np.sqrt(sum_sq / m + eps)
+    x, g, weight, bias, mu, r, axes, bshape = train_vjp_inputs(x, grad_output, weight, bias,
+                                                               eps)
     x_hat = (x - mu) * r
     h = g * weight.reshape(bshape) if weight is not None else g
     grad_x = r * (h - h.mean(axis=axes, keepdims=True)

@@ -37,6 +37,7 @@ from .batch_norm import (
     _params,
     batch_norm_train,
     batch_norm_train_vjp,
+    train_vjp_inputs,
 )
 from .layer_norm import _refined_mean, layer_norm, layer_norm_vjp
 from .rms_norm import RMS_NORM_DEFAULT_EPS, rms_norm, rms_norm_vjp
@@ -317,13 +318,8 @@ def bn_vjp_constant_statistics(x, grad_output, weight=None, bias=None, eps=1e-5)
     """Training-mode BatchNorm backward that treats the batch mean and variance as
     constants (the eval-mode formula applied to a training forward):
     dL/dx = gamma g / sqrt(v_b + eps); dgamma, dbeta as the oracle."""
-    x = as_float64("x", x)
-    g = as_float64("grad_output", grad_output)
-    check_same_shape("grad_output", g, x.shape)
-    weight, bias, _, _ = _params(x, weight, bias, None, None)
-    eps = check_eps(eps)
-    mu, sum_sq, m, axes, bshape = _batch_stats(x)
-    r = 1.0 / np.sqrt(sum_sq / m + eps)
+    x, g, weight, bias, mu, r, axes, bshape = train_vjp_inputs(x, grad_output, weight, bias,
+                                                               eps)
     grad_x = (g * weight.reshape(bshape) if weight is not None else g) * r
     grad_weight = (g * (x - mu) * r).sum(axis=axes) if weight is not None else None
     grad_bias = g.sum(axis=axes) if bias is not None else None
