@@ -71,13 +71,39 @@ class Literal:
         return cls(values=np.asarray(array, dtype=np.float64).tolist())
 
 
+@dataclass(frozen=True)
+class RowsAt:
+    """One sample placed in a batch of others (B9): `base` with the single leading-axis
+    row of `row` written at each position of `at`. Built in the dtype like its parts, so
+    the placed rows are bit for bit the sample built alone."""
+
+    base: ArraySpec
+    row: ArraySpec
+    at: tuple[int, ...]
+
+    @property
+    def shape(self):
+        return tuple(self.base.shape)
+
+    def values64(self) -> np.ndarray:
+        v = self.base.values64()
+        v[list(self.at)] = self.row.values64()[0]
+        return v
+
+    def build(self, dtype) -> np.ndarray:
+        return round_to(self.values64(), dtype_of(dtype))
+
+    def code(self, dtype_name: str) -> str:
+        return f"RowsAt(base={self.base!r}, row={self.row!r}, at={tuple(self.at)!r}).build({dtype_name!r})"
+
+
 def repro_snippet(*, backend_source: str, dtype_name: str, inputs: dict[str, Any],
                   calls: list[str]) -> str:
     """A copy-pasteable script that rebuilds the inputs and repeats the calls."""
     lines = [
         "import numpy as np",
         "import normspec.spec as spec",
-        "from normspec.conformance.cases import ArraySpec, Literal",
+        "from normspec.conformance.cases import ArraySpec, Literal, RowsAt",
         "from normspec.conformance.repro import show",
         "from normspec.impls.registry import load",
         f"loaded = load({backend_source!r})",

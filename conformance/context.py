@@ -83,6 +83,9 @@ class Context:
     #: (message, reason) of each comparison the spec's answer missed and a declared
     #: convention's met: the case goes on, and ends as a deviation unless it fails
     explained: list[tuple[str, str]] = field(default_factory=list)
+    #: the message of the current case if it passes: a measured property the reader
+    #: should see without opening the record ("batch-invariant: ...")
+    said: str = ""
 
     @property
     def dtype_name(self) -> str:
@@ -221,6 +224,11 @@ class Context:
         self.measure.absorb(m)
         return m
 
+    def say(self, message: str) -> None:
+        """What the current case's record says if it passes (a fail's message is the
+        failure's, a deviation's the explained miss)."""
+        self.said = message
+
     def explain(self, message: str, convention: str) -> None:
         """Note that the spec was missed where a declared convention was met."""
         self.explained.append((message, self.reason(convention)))
@@ -252,11 +260,13 @@ class Context:
     def case(self, name: str, *, op: str | None = None):
         """One record: pass unless the body raises. Collects the body's measures."""
         self.calls, self.inputs, self.notes, self.explained = [], {}, [], []
+        self.said = ""
         self.measure = measure = Measure()
         start = time.perf_counter()
         status, message, reason = "pass", "", ""
         try:
             yield measure
+            message = self.said
             if self.explained:
                 status, message = "deviation", self.explained[0][0]
                 reason = "; ".join(dict.fromkeys(r for _, r in self.explained))

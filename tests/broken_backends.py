@@ -499,3 +499,185 @@ for _cls in list(globals().values()):
 for _alias, _cls in list(globals().items()):
     if isinstance(_cls, type) and _cls.__name__ == "Broken":
         _cls.name = _alias
+
+
+# ---------------------------------------------------------------- B9: batch invariance
+def _rows(v, axes) -> int:
+    """How many independent reductions (rows, or channels) `v` holds over `axes`."""
+    return v.size // int(np.prod([v.shape[a] for a in axes]))
+
+
+class SwitchesStrategyWithBatch(NumpyBackend):
+    """Changes its reduction with the number of rows, as kernels do: at most SMALL rows are
+    each walked by one sequential loop (float32 partial sums added one by one), more rows
+    take NumPy's blocked tree. Both are accurate enough for the value checks on ordinary
+    rows; the same row gets different bits alone and in a batch. Its eval-mode BatchNorm
+    likewise folds gamma / sqrt(var + eps) into a scale and a shift for batches larger
+    than SMALL only."""
+
+    SMALL = 2
+
+    def _small(self, v, axes):
+        return _rows(v, axes) <= self.SMALL
+
+    @staticmethod
+    def _sequential_mean(v, axes):
+        ends = tuple(range(v.ndim - len(axes), v.ndim))
+        moved = np.moveaxis(v, axes, ends)
+        flat = moved.reshape(moved.shape[:v.ndim - len(axes)] + (-1,))
+        total = np.add.accumulate(flat, axis=-1)[..., -1] / v.dtype.type(flat.shape[-1])
+        keep = [1 if i in axes else n for i, n in enumerate(v.shape)]
+        return total.reshape(keep)
+
+    def mean(self, v, axes):
+        return self._sequential_mean(v, axes) if self._small(v, axes) else super().mean(v, axes)
+
+    def variance(self, v, axes, mu):
+        if self._small(v, axes):
+            return self._sequential_mean((v - mu) ** 2, axes)
+        return super().variance(v, axes, mu)
+
+    def mean_square(self, v, axes):
+        if self._small(v, axes):
+            return self._sequential_mean(v * v, axes)
+        return super().mean_square(v, axes)
+
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        return _FoldsForLargeBatchesLayer(self, num_features, eps, momentum, affine,
+                                          track_running_stats, np.dtype(dtype), weight, bias)
+
+
+class _FoldsForLargeBatchesLayer(NumpyBatchNorm):
+    def forward(self, x, grad_output=None):
+        if self.uses_batch_stats() or x.shape[0] <= SwitchesStrategyWithBatch.SMALL \
+                or grad_output is not None or self.weight is None:
+            return super().forward(x, grad_output)
+        ct = self.ct
+        shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+        r = self.backend.inv_std(self.stats.var.astype(ct), ct.type(self.eps))
+        scale = r * self.weight.astype(ct)
+        shift = self.bias.astype(ct) - self.stats.mean.astype(ct) * scale
+        return Result((x.astype(ct) * scale.reshape(shape) + shift.reshape(shape))
+                      .astype(self.dtype))
+
+
+class CarriesCompensation(NumpyBackend):
+    """A compensated row sum whose compensation register is not reset between rows: each
+    row starts with what the previous row's float sum lost. Within a rounding of the
+    right sum (every value check passes), but a row's bits depend on its neighbour: the
+    first row of a batch is the row alone, the others are not."""
+
+    def _sum(self, v, axes):
+        rows = np.moveaxis(v, axes, tuple(range(v.ndim - len(axes), v.ndim)))
+        flat = rows.reshape(-1, int(np.prod([v.shape[a] for a in axes])))
+        s = flat.sum(axis=1)
+        lost = (flat.astype(np.float64).sum(axis=1) - s.astype(np.float64)).astype(v.dtype)
+        carried = np.concatenate([np.zeros(1, v.dtype), lost[:-1]])
+        keep = [1 if i in axes else n for i, n in enumerate(v.shape)]
+        return (s + carried).reshape(keep)
+
+    def mean(self, v, axes):
+        return self._sum(v, axes) / v.dtype.type(v.size // _rows(v, axes))
+
+    def mean_square(self, v, axes):
+        return self._sum(v * v, axes) / v.dtype.type(v.size // _rows(v, axes))
+
+
+class RandomOrderSums(NumpyBackend):
+    """Adds each row's terms in a different order at every call, as a reduction with
+    atomic adds does (whichever thread finishes first): accurate every time, never the
+    same bits twice. The order comes from a call counter, so the test is repeatable."""
+
+    calls = 0
+
+    def _permuted(self, v, axes):
+        RandomOrderSums.calls += 1
+        rng = np.random.default_rng(RandomOrderSums.calls)
+        ends = tuple(range(v.ndim - len(axes), v.ndim))
+        moved = np.moveaxis(v, axes, ends)
+        flat = moved.reshape(moved.shape[:v.ndim - len(axes)] + (-1,))
+        shuffled = flat[..., rng.permutation(flat.shape[-1])]
+        return np.moveaxis(shuffled.reshape(moved.shape), ends, axes)
+
+    def mean(self, v, axes):
+        return super().mean(self._permuted(v, axes), axes)
+
+    def mean_square(self, v, axes):
+        return super().mean_square(self._permuted(v, axes), axes)
+
+
+class _TrainUsesRunningStatsLayer(NumpyBatchNorm):
+    """Normalizes with the running statistics in training mode too (a frozen BatchNorm
+    that still updates its statistics): no sample sees the rest of its batch."""
+
+    def forward(self, x, grad_output=None):
+        if not self.training:
+            return super().forward(x, grad_output)
+        self.training = False
+        try:
+            res = super().forward(x, grad_output)
+        finally:
+            self.training = True
+        super().forward(x)  # the training forward, for its running-statistics update only
+        return res
+
+
+TrainUsesRunningStats = _bn_backend(_TrainUsesRunningStatsLayer)
+
+
+class DeclaresNotBatchInvariant(SwitchesStrategyWithBatch):
+    """SwitchesStrategyWithBatch that says so."""
+
+    conventions = Conventions(
+        default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6, "batch_norm": 1e-5},
+        batch_invariant=False, deterministic=False,
+        reasons={"batch_invariant": "small batches take a split reduction",
+                 "deterministic": "atomic adds"})
+
+
+class DeclaresNondeterministic(RandomOrderSums):
+    conventions = DeclaresNotBatchInvariant.conventions
+
+
+class DeclaresButIsInvariant(NumpyBackend):
+    """The correct numpy backend, declaring it is neither batch-invariant nor deterministic."""
+
+    conventions = DeclaresNotBatchInvariant.conventions
+
+
+# ---------------------------------------------------------------- rounding bias
+def truncate_to(a32: np.ndarray, dtype) -> np.ndarray:
+    """float32 values to a half dtype rounding toward zero: round to nearest, then step
+    the magnitude down one (sign-magnitude bits) wherever that rounded away from zero."""
+    near = np.asarray(a32, np.float32).astype(dtype)
+    away = np.abs(near.astype(np.float32)) > np.abs(a32)
+    bits = near.view(np.uint16).copy()
+    bits[away] -= 1
+    return bits.view(dtype)
+
+
+class TruncatesHalf(NumpyBackend):
+    """Computes float16/bfloat16 in float32, as it should, then encodes the result by
+    truncation instead of rounding to nearest: within 1 ULP of every element."""
+
+    @staticmethod
+    def _half(x):
+        return x.dtype.name in ("float16", "bfloat16")
+
+    def _encode(self, res, dtype):
+        return Result(*(None if a is None else truncate_to(a, dtype) for a in res))
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        if not self._half(x):
+            return super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        g = None if grad_output is None else grad_output.astype(np.float32)
+        res = super().layer_norm(x.astype(np.float32), normalized_shape, weight, bias, eps, g)
+        return self._encode(res, x.dtype)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        if not self._half(x):
+            return super().rms_norm(x, normalized_shape, weight, eps, grad_output)
+        g = None if grad_output is None else grad_output.astype(np.float32)
+        res = super().rms_norm(x.astype(np.float32), normalized_shape, weight, eps, g)
+        return self._encode(res, x.dtype)

@@ -58,6 +58,14 @@ CATCHES = {
     "protocol.parameter_dtype": (bb.DeclaresFloat32Parameters, "float64"),
     "E1.worked_example": (bb.RmsSubtractsMean, "float32"),
     "E2.worked_example": (bb.RmsSubtractsMean, "float32"),
+    "B9.layer_norm": (bb.SwitchesStrategyWithBatch, "float32"),
+    "B9.rms_norm": (bb.CarriesCompensation, "float32"),
+    "B9.qk_norm_scores": (bb.CarriesCompensation, "float32"),
+    "B9.batch_norm_eval": (bb.SwitchesStrategyWithBatch, "float32"),
+    "B9.batch_norm_train": (bb.TrainUsesRunningStats, "float32"),
+    "B9.deterministic": (bb.RandomOrderSums, "float32"),
+    "F2.rounding_bias": (bb.TruncatesHalf, "float16"),
+    "F3.rounding_bias": (bb.TruncatesHalf, "bfloat16"),
 }
 
 # the list of defects, each with a check that catches it; and a backend that
@@ -82,6 +90,15 @@ DEFECTS = {
     "a softcap that ignores cap (always 30)": (bb.SoftcapIgnoresCap, "F7.softcap", "float32"),
     "a LayerNorm that ignores normalized_shape (last axis only)": (bb.LastAxisOnly, "F2.values",
                                                                    "float32"),
+    "a reduction order that depends on the batch size": (bb.SwitchesStrategyWithBatch,
+                                                         "B9.rms_norm", "float32"),
+    "a row whose output depends on its neighbours": (bb.CarriesCompensation, "B9.layer_norm",
+                                                     "float32"),
+    "eval-mode BatchNorm folded for large batches only": (bb.SwitchesStrategyWithBatch,
+                                                          "B9.batch_norm_eval", "float32"),
+    "a truncating float16 encoder (RMSNorm)": (bb.TruncatesHalf, "F3.rounding_bias", "float16"),
+    "a truncating bfloat16 encoder (LayerNorm)": (bb.TruncatesHalf, "F2.rounding_bias",
+                                                  "bfloat16"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}

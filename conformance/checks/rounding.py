@@ -1,0 +1,120 @@
+"""Rounding bias (F2, F3): the outputs are the oracle's rounded to the nearest value of
+the dtype, so their errors have either sign and average out. A backend that truncates
+(rounds toward zero) stays within 1 ULP of every element and passes every per-element
+bound while moving every activation toward zero; its mean signed error is ~ -1/2 ULP.
+
+Judged where the compute precision is much finer than the output's (float16 and bfloat16
+computed in float32): there the compute error is negligible against an output ULP and a
+systematic bias is a rounding bug. The bound is derived in tolerances.py from the number
+of elements, with a stated false-alarm probability. In float32 and float64 the compute
+precision is the output's, the error carries the algorithm's own bias (about an ULP), and
+the record reports the mean without judging it.
+"""
+
+from __future__ import annotations
+
+import normspec.spec as spec
+import numpy as np
+from normspec.impls.protocol import compute_dtype
+
+from ..cases import ArraySpec
+from ..ops._common import f64
+from ..tolerances import (
+    BIAS_FALSE_ALARM,
+    BIAS_MIN_MAGNITUDE,
+    bias_compute_allowance,
+    bound,
+    centred_output_scale,
+    centring_kappa,
+    rms_output_scale,
+    rounding_bias_bound,
+)
+from . import check
+
+SHAPE = (48, 100)  # 4800 elements, about 4400 of them above BIAS_MIN_MAGNITUDE of scale
+EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
+
+
+def signed_steps(got, expected, dtype) -> np.ndarray:
+    """sign(ref) (got - round_T(ref)) in representable steps of the dtype: positive away
+    from zero, negative toward it."""
+    ref = spec.round_to(np.asarray(expected, np.float64), dtype).astype(np.float64)
+    g = np.asarray(got).astype(np.float64)
+    return np.sign(ref) * np.sign(g - ref) * spec.ulp_distance(g, ref, dtype)
+
+
+def _judge(ctx, *, op, got, expected, scale, n, kappa, code):
+    ref = spec.round_to(expected, ctx.dtype).astype(np.float64)
+    keep = np.isfinite(ref) & np.isfinite(np.asarray(got, np.float64)) & \
+        (np.abs(ref) >= BIAS_MIN_MAGNITUDE * np.broadcast_to(scale, ref.shape))
+    raw = signed_steps(got, expected, ctx.dtype)[keep]
+    steps = np.clip(raw, -1.0, 1.0)  # the range Hoeffding's bound assumes
+    count = int(steps.size)
+    mean = float(steps.mean()) if count else 0.0
+    raw_mean = float(raw.mean()) if count else 0.0
+    allowance = bias_compute_allowance(ctx.dtype, n, np.broadcast_to(kappa, ref.shape),
+                                       np.broadcast_to(scale, ref.shape), ref)[keep]
+    limit = rounding_bias_bound(count, float(allowance.mean()) if count else 0.0)
+    toward, away = float(np.mean(steps < 0)), float(np.mean(steps > 0))
+    measured = (f"mean signed error {mean:+.3f} ULPs (away from zero, in steps at the element, "
+                f"each clipped to +-1; {raw_mean:+.3f} unclipped) over {count} elements of at "
+                f"least {BIAS_MIN_MAGNITUDE:g} of their row's scale; {toward:.1%} below the "
+                f"oracle's rounding toward zero, {away:.1%} away")
+    ctx.oracle("steps = signed_steps(result.output, expected, result.output.dtype)",
+               "print('mean signed error (ULPs, away from zero):', steps.mean())")
+    if compute_dtype(ctx.dtype) == ctx.dtype:
+        ctx.say(f"{measured}: reported, not judged ({ctx.dtype.name} is computed in "
+                f"{ctx.dtype.name}, so this is the algorithm's error, not a rounding bug)")
+        return
+    ctx.holds(condition=abs(mean) <= limit, got=measured,
+              spec_says=(f"outputs rounded to nearest, whose mean signed error stays within "
+                         f"+-{limit:.3f} ULPs over {count} elements (false alarm "
+                         f"{BIAS_FALSE_ALARM:g})"),
+              call=code)
+    ctx.say(f"{measured}: unbiased (bound +-{limit:.3f}, false alarm {BIAS_FALSE_ALARM:g})")
+
+
+def _case(ctx, op):
+    d = SHAPE[-1]
+    with ctx.case(f"{SHAPE[0]} x {d} elements, affine, rounded to {ctx.dtype_name}"):
+        x, w = ctx.use(x=ArraySpec(SHAPE, ctx.seed, 0.3, 1.5),
+                       weight=ArraySpec((d,), ctx.seed + 1, 1.0, 0.5))
+        b = ctx.use(bias=ArraySpec((d,), ctx.seed + 2, 0.0, 0.5)) if op == "layer_norm" else None
+        eps = EPS[op]
+        params = "weight, bias" if op == "layer_norm" else "weight"
+        code = f"result = backend.{op}(x, ({d},), {params}, {eps!r})"
+        args = (x, (d,), w, b, eps) if op == "layer_norm" else (x, (d,), w, eps)
+        res = ctx.call(code, getattr(ctx.backend, op), *args,
+                       outputs_like={"output": (x.shape, x.dtype)})
+        e = ctx.effective(eps, "eps")
+        x64, w64, b64 = f64(x), f64(w), f64(b)
+        if op == "layer_norm":
+            expected = spec.layer_norm(x64, (d,), w64, b64, e)
+            kappa = centring_kappa(x64, (-1,), e)
+            scale = centred_output_scale(spec.layer_norm(x64, (d,), eps=e), np.abs(w64),
+                                         np.abs(b64), (-1,))
+        else:
+            expected = spec.rms_norm(x64, (d,), w64, e)
+            kappa = 1.0
+            scale = rms_output_scale(spec.rms_norm(x64, (d,), eps=e), np.abs(w64), (-1,))
+        ctx.oracle("from normspec.conformance.checks.rounding import signed_steps",
+                   f"expected = spec.{op}(x, ({d},), {params}, {e!r})",
+                   "show(result.output, expected, name='output')")
+        # the values themselves, as F2/F3.values judges them (the record's measure)
+        ctx.conforms(expected=expected, actual=res.output, scale=scale,
+                     bound=bound("output", ctx.dtype, d, kappa), quantity=f"{op}.output",
+                     call=code)
+        _judge(ctx, op=op, got=res.output, expected=expected, scale=scale, n=d, kappa=kappa,
+               code=code)
+
+
+@check("F2.rounding_bias", title="LayerNorm outputs are rounded to nearest: no systematic "
+       "bias toward (or away from) zero in float16/bfloat16", ops=("layer_norm",))
+def layer_norm_bias(ctx):
+    _case(ctx, "layer_norm")
+
+
+@check("F3.rounding_bias", title="RMSNorm outputs are rounded to nearest: no systematic "
+       "bias toward (or away from) zero in float16/bfloat16", ops=("rms_norm",))
+def rms_norm_bias(ctx):
+    _case(ctx, "rms_norm")
