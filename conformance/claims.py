@@ -20,6 +20,8 @@ CLAIMS: dict[str, str] = {
     "F7": "Soft-capping s -> c tanh(s / c) keeps scores inside (-c, c).",
     "F8": "Block wiring: Post-LN, Pre-LN with a final LN, and the Gemma-3 sandwich.",
     "F2/F3": "LayerNorm and RMSNorm (F2, F3) on inputs that break careless kernels.",
+    "F1/F5": "BatchNorm in training and eval mode (F1, F4, F5) on shapes and memory layouts "
+             "that break careless kernels.",
     "E1": "x = [1, 3]: LayerNorm [-1, 1]; RMSNorm [0.4472136, 1.3416408].",
     "E2": "x = [11, 13]: LayerNorm still [-1, 1]; RMSNorm [0.9135003, 1.0795912].",
     "E3": "BatchNorm1d(1, eps=0, momentum=1, affine=False) on [[1],[3]]: train [-1, 1], "

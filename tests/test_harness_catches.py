@@ -56,6 +56,13 @@ CATCHES = {
     "F4.momentum_meaning": (bb.FlippedMomentum, "float32"),
     "protocol.eps_zero": (bb.DeclaresRefusalButAccepts, "float32"),
     "protocol.parameter_dtype": (bb.DeclaresFloat32Parameters, "float64"),
+    "F2/F3.row_counts": (bb.GridStopsAt65535, "float32"),
+    "F2/F3.hidden_sizes": (bb.PaddedLanes, "float32"),
+    "F2/F3.ranks": (bb.Assumes2D, "float32"),
+    "F2/F3.layouts": (bb.IgnoresStrides, "float32"),
+    "F6.row_counts": (bb.GridStopsAt65535, "float32"),
+    "F1/F5.row_counts": (bb.GridStopsAt65535, "float32"),
+    "F1/F5.batchnorm_layouts": (bb.BatchNormIgnoresStrides, "float32"),
 }
 
 # the issue's list of defects, each with a check that catches it; and a backend that
@@ -80,6 +87,14 @@ DEFECTS = {
     "a softcap that ignores cap (always 30)": (bb.SoftcapIgnoresCap, "F7.softcap", "float32"),
     "a LayerNorm that ignores normalized_shape (last axis only)": (bb.LastAxisOnly, "F2.values",
                                                                    "float32"),
+    # issue #15, where real kernels break
+    "a fast path from 256 rows on that drops dgamma's partial block": (
+        bb.FastPathFrom256, "F2/F3.row_counts", "float32"),
+    "a kernel that ignores a view's offset": (bb.IgnoresOffset, "F2/F3.layouts", "float32"),
+    "a backward that assumes a contiguous upstream gradient": (
+        bb.GradAssumedContiguous, "F2/F3.layouts", "float32"),
+    "BatchNorm statistics of the first 65535 samples only": (
+        bb.GridStopsAt65535, "F1/F5.row_counts", "float32"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}
