@@ -270,6 +270,10 @@ class Context:
             diagnosis = getattr(exc, "diagnosis", {})
             if exc.measure is not None:
                 measure.absorb(exc.measure)
+                # the comparison that failed decides the record, not a larger miss that a
+                # declared convention explained (deviation entries match its quantity)
+                measure.max_ulp, measure.bound_ulp = exc.measure.max_ulp, exc.measure.bound_ulp
+                measure.worst = exc.measure.worst
         except Unsupported as exc:
             status, message = "unsupported", str(exc)
         except Refused as exc:
