@@ -80,7 +80,9 @@ def _name(case, label) -> str:
 
 def _run(ctx, cases, runner, label):
     for case in cases:
-        with ctx.case(_name(case, label(case)), op=case["op"]):
+        # say so where a backend returns no gradients: those cases compare the forward only
+        alone = "" if ctx.has_gradient(case["op"]) else ", forward only (no gradients listed)"
+        with ctx.case(_name(case, label(case)) + alone, op=case["op"]):
             runner(ctx, case)
 
 
@@ -185,6 +187,10 @@ def batchnorm_layout_cases():
             yield dict(shape=shape, layout=layout)
 
 
+def _bn_grads(ctx) -> str:
+    return "" if ctx.has_gradient("batch_norm") else " (no gradients listed: outputs and statistics)"
+
+
 def _batchnorm(ctx, case):
     """One training step (with gradients where the backend has them) on the case's x,
     then one eval step on another batch in the same layout: outputs, gradients and the
@@ -209,7 +215,7 @@ def _batchnorm(ctx, case):
        ops=("batch_norm",))
 def batchnorm_row_counts(ctx):
     for case in batchnorm_row_cases():
-        with ctx.case(f"x {case['shape']}: train, then eval"):
+        with ctx.case(f"x {case['shape']}: train, then eval" + _bn_grads(ctx)):
             _batchnorm(ctx, case)
 
 
@@ -218,5 +224,5 @@ def batchnorm_row_counts(ctx):
        "statistics equal the oracle's", ops=("batch_norm",))
 def batchnorm_layouts(ctx):
     for case in batchnorm_layout_cases():
-        with ctx.case(f"x {case['shape']} {case['layout']}: train, then eval"):
+        with ctx.case(f"x {case['shape']} {case['layout']}: train, then eval" + _bn_grads(ctx)):
             _batchnorm(ctx, case)
