@@ -25,6 +25,7 @@ class CheckFailure(AssertionError):
     def __init__(self, message: str, *, measure: Measure | None = None):
         super().__init__(message)
         self.measure = measure
+        self.diagnosis: dict = {}  # the formula variants that explain it (diagnosis.py)
 
 
 @dataclass
@@ -64,15 +65,18 @@ def fmt(v, dtype) -> str:
     return str(np.dtype(dtype).type(v))
 
 
-def error_ulps(*, expected, actual, dtype, scale) -> np.ndarray:
+def error_ulps(*, expected, actual, dtype, scale, ref=None) -> np.ndarray:
     """|actual - round_T(expected)| in ULPs of T at `scale`; NaN where both are NaN counts
-    as agreement, a NaN on one side only or an inf mismatch as inf."""
-    ref = round_to(expected, dtype).astype(np.float64)
+    as agreement, a NaN on one side only or an inf mismatch as inf. `ref`: expected
+    already rounded to T (float64), where the caller has it."""
+    ref = round_to(expected, dtype).astype(np.float64) if ref is None else ref
     got = np.asarray(actual).astype(np.float64)
+    # the spacing at the scale's own shape (one per row or channel), broadcast after
+    spacing = ulp(np.asarray(scale, dtype=np.float64), dtype)
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(got - ref)
         same = (got == ref) | (np.isnan(got) & np.isnan(ref))
-        err = np.where(same, 0.0, diff / ulp(np.broadcast_to(scale, ref.shape), dtype))
+        err = np.broadcast_to(np.where(same, 0.0, diff / spacing), ref.shape)
     return np.where(np.isnan(err), np.inf, err)
 
 
@@ -90,10 +94,10 @@ def assert_conforms(*, expected, actual, dtype, scale, bound, quantity: str, cal
     if expected.shape != actual.shape:
         raise CheckFailure(f"got {what} of shape {actual.shape}, but the spec says shape "
                            f"{expected.shape} [{call}]")
-    err = error_ulps(expected=expected, actual=actual, dtype=dtype, scale=scale)
+    ref = round_to(expected, dtype).astype(np.float64)
+    err = error_ulps(expected=expected, actual=actual, dtype=dtype, scale=scale, ref=ref)
     bound_arr = np.broadcast_to(np.asarray(bound, dtype=np.float64), err.shape)
     excess = err - bound_arr
-    ref = round_to(expected, dtype).astype(np.float64)
     got = actual.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         abs_err = np.where(np.isnan(err), np.inf, np.abs(got - ref))

@@ -13,12 +13,65 @@ from normspec.spec import round_to
 dtype_of = np_dtype  # np.dtype for a name, bfloat16 included
 
 
+def _transposed(a):
+    """The last two axes swapped in memory (a no-op below rank 2)."""
+    if a.ndim < 2:
+        return a
+    return np.ascontiguousarray(np.swapaxes(a, -1, -2)).swapaxes(-1, -2)
+
+
+def _poisoned(shape, dtype):
+    return np.full(shape, np.nan, dtype=dtype)
+
+
+def _strided(a):
+    """Last axis with stride 2 elements: every other element of a buffer twice as wide."""
+    if a.ndim < 1:
+        return a
+    buf = _poisoned(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
+    buf[..., ::2] = a
+    return buf[..., ::2]
+
+
+def _sliced(a):
+    """A slice with an offset, as q = qkv[1:, ..., 2:] is: the view starts one leading
+    row and two columns into a buffer whose rows are two elements longer than the view's
+    (so the row stride is not the row length either)."""
+    if a.ndim < 1:
+        return a
+    lead = (a.shape[0] + 1,) + a.shape[1:-1] if a.ndim >= 2 else ()
+    buf = _poisoned(lead + (a.shape[-1] + 2,), a.dtype)
+    view = buf[1:, ..., 2:] if a.ndim >= 2 else buf[2:]
+    view[...] = a
+    return view
+
+
+def _channels_last(a):
+    """Axis 1 (the channel axis of BatchNorm's [N, C, ...]) innermost in memory, as
+    torch's channels_last memory format stores [N, C, H, W] (a no-op below rank 3)."""
+    if a.ndim < 3:
+        return a
+    return np.moveaxis(np.ascontiguousarray(np.moveaxis(a, 1, -1)), -1, 1)
+
+
+#: layout name -> how an array of the recipe's values is laid out in memory
+LAYOUTS = {
+    "contiguous": lambda a: a,
+    "transposed": _transposed,
+    "strided": _strided,
+    "sliced": _sliced,
+    "channels_last": _channels_last,
+}
+
+
 @dataclass(frozen=True)
 class ArraySpec:
     """A seeded normal array: N(mean, spread) of `shape`, rounded once to the dtype.
 
-    layout "transposed" builds the array with its last two axes swapped in memory, so the
-    backend receives a non-contiguous view with the same values.
+    `layout` says how the same values sit in memory (see LAYOUTS); every layout but
+    "contiguous" hands the backend a view, and the elements of the buffer that are not
+    part of the view hold NaN, so a kernel that reads outside the view (ignoring a
+    stride or an offset) gets NaN instead of a plausible number.
     """
 
     shape: tuple[int, ...]
@@ -32,11 +85,12 @@ class ArraySpec:
         rng = np.random.default_rng(self.seed)
         return self.factor * rng.normal(self.mean, self.spread, size=self.shape)
 
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
+
     def build(self, dtype) -> np.ndarray:
-        a = round_to(self.values64(), dtype_of(dtype))
-        if self.layout == "transposed" and a.ndim >= 2:
-            a = np.ascontiguousarray(np.swapaxes(a, -1, -2)).swapaxes(-1, -2)
-        return a
+        return LAYOUTS[self.layout](round_to(self.values64(), dtype_of(dtype)))
 
     def code(self, dtype_name: str) -> str:
         extra = f", layout={self.layout!r}" if self.layout != "contiguous" else ""

@@ -59,7 +59,11 @@ _CLAIMS = (
     Claim("F2/F3", "LayerNorm and RMSNorm on hard inputs",
           "F2 and F3 hold on inputs that break careless kernels: rows around +-1000 in "
           "float16, a large mean with a tiny spread, constant rows, non-contiguous memory, "
-          "NaN and inf, subnormals."),
+          "NaN and inf, subnormals, row counts past launch thresholds, hidden sizes that "
+          "are not powers of two, ranks 2 to 4, strided and sliced views."),
+    Claim("F1/F5", "BatchNorm on hard shapes and layouts",
+          "F1, F4 and F5 hold for BatchNorm on row counts past launch thresholds and on "
+          "strided, sliced, transposed and channels-last inputs."),
     Claim("E1", "x = [1, 3]", "LayerNorm and RMSNorm of one small row, eps = 0.",
           example="LayerNorm -> [-1, 1]; RMSNorm -> [1, 3] / sqrt(5) = [0.4472136, 1.3416408]"),
     Claim("E2", "x = [11, 13]", "E1 shifted by 10: LayerNorm ignores the shift, RMSNorm "

@@ -20,6 +20,7 @@ from typing import Any
 from normspec.impls import registry
 
 from . import results, runner
+from .diagnosis import summary as diagnosis_summary
 
 #: Where runs go unless told otherwise: each run its own file, named by time and label;
 #: results/latest names the newest.
@@ -342,8 +343,10 @@ def print_summary(doc: dict, out=None) -> int:
     if bad:
         print(f"\n{len(bad)} failing record(s):", file=out)
         for r in bad:
+            diagnosis = diagnosis_summary(r.get("diagnosis"))
             print(f"  [{r['status']}] {r['backend']} {r['check']} {r['dtype']} ({r['case']}): "
-                  f"{r['message'][:300]}", file=out)
+                  f"{r['message'][:300]}" + (f" -- diagnosis: {diagnosis[:300]}" if diagnosis
+                                             else ""), file=out)
     return len(bad)
 
 

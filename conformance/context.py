@@ -33,6 +33,7 @@ from .assertions import (
     assert_holds,
 )
 from .cases import repro_snippet
+from .diagnosis import Alternatives, diagnose
 from .results import Record
 from .tolerances import unit_roundoff
 
@@ -198,12 +199,15 @@ class Context:
 
     # ---------------------------------------------------------------- comparisons
     def conforms(self, *, expected, actual, scale, bound, quantity: str, call: str,
-                 what: str | None = None, dtype=None, explained=()) -> Measure:
+                 what: str | None = None, dtype=None, explained=(),
+                 variants: Alternatives | None = None) -> Measure:
         """assert_conforms in this case's dtype, its measure collected into the record.
 
         `explained`: (expected under a declared convention, convention name) pairs. When
         the spec's answer is missed but a declared convention's is met, the record is a
-        deviation with the convention's reason; when neither is met, a fail."""
+        deviation with the convention's reason; when neither is met, a fail.
+        `variants`: how to recompute `expected` under the catalogue's formula variants;
+        only a failed comparison is diagnosed (the failure carries the diagnosis)."""
         dtype = self.dtype if dtype is None else dtype
         try:
             m = assert_conforms(expected=expected, actual=actual, dtype=dtype,
@@ -220,6 +224,9 @@ class Context:
                 missed = exc.measure or Measure()
                 self.measure.absorb(missed)
                 return missed
+            if variants is not None and exc.measure is not None:
+                exc.diagnosis = diagnose(variants, actual=actual, dtype=dtype, scale=scale,
+                                         bound=bound)
             raise
         self.measure.absorb(m)
         return m
@@ -264,6 +271,7 @@ class Context:
         self.measure = measure = Measure()
         start = time.perf_counter()
         status, message, reason = "pass", "", ""
+        diagnosis: dict = {}
         try:
             yield measure
             message = self.said
@@ -272,8 +280,13 @@ class Context:
                 reason = "; ".join(dict.fromkeys(r for _, r in self.explained))
         except CheckFailure as exc:
             status, message = "fail", str(exc)
+            diagnosis = getattr(exc, "diagnosis", {})
             if exc.measure is not None:
                 measure.absorb(exc.measure)
+                # the comparison that failed decides the record, not a larger miss that a
+                # declared convention explained (deviation entries match its quantity)
+                measure.max_ulp, measure.bound_ulp = exc.measure.max_ulp, exc.measure.bound_ulp
+                measure.worst = exc.measure.worst
         except Unsupported as exc:
             status, message = "unsupported", str(exc)
         except Refused as exc:
@@ -295,7 +308,8 @@ class Context:
             inputs="; ".join(f"{k} = {v.code(self.dtype_name)}" for k, v in self.inputs.items()
                              if v is not None)[:4000],
             repro=self.repro() if status in ("fail", "error", "refused", "deviation") else "",
-            reason=reason, seed=self.seed, duration_s=round(time.perf_counter() - start, 4))
+            reason=reason, diagnosis=diagnosis, seed=self.seed,
+            duration_s=round(time.perf_counter() - start, 4))
         self.records.append(rec)
         if self.on_record is not None:
             self.on_record(rec)

@@ -106,6 +106,10 @@ class Record:
     inputs: str = ""
     repro: str = ""
     reason: str = ""
+    #: for a failed comparison, the formula variants (spec/variants.py) the output
+    #: conforms to: {"op", "matches": [ids], "tried": [ids], "details": {id: {...}}};
+    #: empty where nothing was diagnosed. Diagnosis, never a verdict.
+    diagnosis: dict = field(default_factory=dict)
     seed: int | None = None
     duration_s: float = 0.0
     run: str = ""
@@ -120,7 +124,7 @@ class Record:
 
 _RECORD_DEFAULTS: dict[str, Any] = {"message": "", "quantity": "", "note": "", "max_ulp": None,
                     "bound_ulp": None, "max_abs": None, "max_rel": None, "worst": {},
-                    "inputs": "", "repro": "", "reason": "", "seed": None, "duration_s": 0.0,
+                    "inputs": "", "repro": "", "reason": "", "diagnosis": {}, "seed": None, "duration_s": 0.0,
                     "run": ""}
 
 

@@ -19,6 +19,25 @@ def _up(a, ct):
     return None if a is None else np.asarray(a).astype(ct)
 
 
+def _sum(v, axes, keepdims=False):
+    """Sum over `axes`, pairwise: NumPy sums pairwise only along a contiguous last axis
+    and adds row by row over any other (an error growing as n, not log n, which a careful
+    kernel's tree reduction does not have), so the reduced axes are moved last first."""
+    axes = tuple(a % v.ndim for a in axes)
+    rest = [a for a in range(v.ndim) if a not in axes]
+    moved = np.ascontiguousarray(np.transpose(v, rest + list(axes)))
+    s = moved.reshape(moved.shape[:len(rest)] + (-1,)).sum(axis=-1)
+    if keepdims:
+        s = s.reshape([1 if a in axes else n for a, n in enumerate(v.shape)])
+    return s
+
+
+def _mean(v, axes):
+    """Mean over `axes`, keepdims, pairwise (see _sum)."""
+    n = int(np.prod([v.shape[a] for a in axes]))
+    return _sum(v, axes, keepdims=True) / v.dtype.type(n)
+
+
 def _axes(x, normalized_shape):
     n = len(normalized_shape) if isinstance(normalized_shape, (tuple, list)) else 1
     return tuple(range(x.ndim - n, x.ndim))
@@ -37,13 +56,13 @@ class NumpyBackend(Backend):
 
     # --- statistics, overridable one at a time by the test-suite's broken variants ---
     def mean(self, v, axes):
-        return v.mean(axis=axes, keepdims=True)
+        return _mean(v, axes)
 
     def variance(self, v, axes, mu):
-        return ((v - mu) ** 2).mean(axis=axes, keepdims=True)
+        return _mean((v - mu) ** 2, axes)
 
     def mean_square(self, v, axes):
-        return (v * v).mean(axis=axes, keepdims=True)
+        return _mean(v * v, axes)
 
     def inv_std(self, var, eps):
         return 1.0 / np.sqrt(var + eps)
@@ -62,11 +81,10 @@ class NumpyBackend(Backend):
             return Result(y.astype(x.dtype))
         g = _up(grad_output, ct)
         h = g * w if w is not None else g
-        gx = r * (h - h.mean(axis=axes, keepdims=True)
-                  - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
+        gx = r * (h - _mean(h, axes) - x_hat * _mean(h * x_hat, axes))
         lead = tuple(range(axes[0]))
-        gw = (g * x_hat).sum(axis=lead).astype(x.dtype) if w is not None else None
-        gb = g.sum(axis=lead).astype(x.dtype) if b is not None else None
+        gw = _sum(g * x_hat, lead).astype(x.dtype) if w is not None else None
+        gb = _sum(g, lead).astype(x.dtype) if b is not None else None
         return Result(y.astype(x.dtype), gx.astype(x.dtype), gw, gb)
 
     # --- RMSNorm (F3) ---
@@ -80,8 +98,8 @@ class NumpyBackend(Backend):
             return Result(y.astype(x.dtype))
         g = _up(grad_output, ct)
         h = g * w if w is not None else g
-        gx = r * (h - xc * r * r * (h * xc).mean(axis=axes, keepdims=True))
-        gw = (g * xc * r).sum(axis=tuple(range(axes[0]))).astype(x.dtype) if w is not None else None
+        gx = r * (h - xc * r * r * _mean(h * xc, axes))
+        gw = _sum(g * xc * r, tuple(range(axes[0]))).astype(x.dtype) if w is not None else None
         return Result(y.astype(x.dtype), gx.astype(x.dtype), gw)
 
     # --- QK-norm (F6) ---
@@ -147,12 +165,11 @@ class NumpyBatchNorm(RunningStatsLayer):
         g = grad_output.astype(ct)
         h = g * w if w is not None else g
         if self.uses_batch_stats():
-            gx = r * (h - h.mean(axis=axes, keepdims=True)
-                      - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
+            gx = r * (h - _mean(h, axes) - x_hat * _mean(h * x_hat, axes))
         else:
             gx = r * h
-        gw = (g * x_hat).sum(axis=axes).astype(self.dtype) if w is not None else None
-        gb = g.sum(axis=axes).astype(self.dtype) if w is not None else None
+        gw = _sum(g * x_hat, axes).astype(self.dtype) if w is not None else None
+        gb = _sum(g, axes).astype(self.dtype) if w is not None else None
         return Result(y.astype(self.dtype), gx.astype(self.dtype), gw, gb)
 
 

@@ -83,6 +83,10 @@ class Capabilities:
     op_dtypes: per op, dtypes that replace `dtypes` for that op, e.g.
         {"layer_norm": {"float32", "bfloat16"}} for a runtime with bfloat16 LayerNorm only.
     gradient_dtypes: per op, the dtypes its gradients come in, where fewer than the op's.
+    max_rows: the most rows (normalized groups of LayerNorm and RMSNorm, q and k rows of
+        QK-norm) one call takes in reasonable time, where the backend has such a limit
+        (an interpreter that runs one program per row); None: no limit. Cases with more
+        rows are recorded unsupported with `max_rows_reason`, never skipped silently.
     no_grad_mode: BatchNorm has a forward under the framework's no-grad switch (B6).
     cumulative_momentum: BatchNorm accepts momentum=None. untracked_stats: BatchNorm
     accepts track_running_stats=False.
@@ -97,6 +101,8 @@ class Capabilities:
     no_grad_mode: bool = False
     cumulative_momentum: bool = False
     untracked_stats: bool = False
+    max_rows: int | None = None
+    max_rows_reason: str = ""
 
     def __post_init__(self):
         fix = partial(object.__setattr__, self)
@@ -131,6 +137,7 @@ class Capabilities:
             "no_grad_mode": self.no_grad_mode,
             "cumulative_momentum": self.cumulative_momentum,
             "untracked_stats": self.untracked_stats,
+            "max_rows": self.max_rows, "max_rows_reason": self.max_rows_reason,
         }
 
 

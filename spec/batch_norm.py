@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._sums import mean_over, sum_over
 from ._validate import (
     as_float64,
     check_eps,
@@ -40,9 +41,9 @@ def _batch_stats(x: np.ndarray):
         )
     # mu_j = (1/m) sum x_ij, refined once by the residuals' mean (see layer_norm);
     # sum_sq_j = sum (x_ij - mu_j)^2
-    mu = x.mean(axis=reduce_axes, keepdims=True)
-    mu = mu + (x - mu).mean(axis=reduce_axes, keepdims=True)
-    sum_sq = ((x - mu) ** 2).sum(axis=reduce_axes, keepdims=True)
+    mu = mean_over(x, reduce_axes, keepdims=True)
+    mu = mu + mean_over(x - mu, reduce_axes, keepdims=True)
+    sum_sq = sum_over((x - mu) ** 2, reduce_axes, keepdims=True)
     return mu, sum_sq, m, reduce_axes, bshape
 
 
@@ -146,10 +147,10 @@ def batch_norm_train_vjp(x, grad_output, weight=None, bias=None, eps=1e-5):
                                                                eps)
     x_hat = (x - mu) * r
     h = g * weight.reshape(bshape) if weight is not None else g
-    grad_x = r * (h - h.mean(axis=axes, keepdims=True)
-                  - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
-    grad_weight = (g * x_hat).sum(axis=axes) if weight is not None else None
-    grad_bias = g.sum(axis=axes) if bias is not None else None
+    grad_x = r * (h - mean_over(h, axes, keepdims=True)
+                  - x_hat * mean_over(h * x_hat, axes, keepdims=True))
+    grad_weight = sum_over(g * x_hat, axes) if weight is not None else None
+    grad_bias = sum_over(g, axes) if bias is not None else None
     return grad_x, grad_weight, grad_bias
 
 
@@ -181,6 +182,6 @@ def batch_norm_eval_vjp(x, grad_output, running_mean, running_var, weight=None, 
     # dL/dx = gamma g r: y is affine in x once the statistics are fixed
     h = g * weight.reshape(bshape) if weight is not None else g
     grad_x = h * r
-    grad_weight = (g * x_hat).sum(axis=axes) if weight is not None else None
-    grad_bias = g.sum(axis=axes) if bias is not None else None
+    grad_weight = sum_over(g * x_hat, axes) if weight is not None else None
+    grad_bias = sum_over(g, axes) if bias is not None else None
     return grad_x, grad_weight, grad_bias

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._sums import sum_over
 from ._validate import (
     as_float64,
     check_eps,
@@ -73,6 +74,6 @@ def layer_norm_vjp(x, normalized_shape, grad_output, weight=None, bias=None, eps
     h = g * weight if weight is not None else g
     grad_x = r * (h - h.mean(axis=axes, keepdims=True)
                   - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
-    grad_weight = (g * x_hat).sum(axis=batch_axes) if weight is not None else None
-    grad_bias = g.sum(axis=batch_axes) if bias is not None else None
+    grad_weight = sum_over(g * x_hat, batch_axes) if weight is not None else None
+    grad_bias = sum_over(g, batch_axes) if bias is not None else None
     return grad_x, grad_weight, grad_bias

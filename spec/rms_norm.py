@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._sums import sum_over
 from ._validate import (
     as_float64,
     check_eps,
@@ -60,5 +61,5 @@ def rms_norm_vjp(x, normalized_shape, grad_output, weight=None, eps=RMS_NORM_DEF
     r = 1.0 / np.sqrt((x * x).mean(axis=axes, keepdims=True) + eps)
     h = g * weight if weight is not None else g
     grad_x = r * (h - x * r * r * (h * x).mean(axis=axes, keepdims=True))
-    grad_weight = (g * x * r).sum(axis=tuple(range(axes[0]))) if weight is not None else None
+    grad_weight = sum_over(g * x * r, tuple(range(axes[0]))) if weight is not None else None
     return grad_x, grad_weight

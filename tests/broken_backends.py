@@ -456,6 +456,183 @@ class NoGradSkipsUpdate(OracleBackend):
 
 
 
+# ---------------------------------------------------------------- shapes and layouts
+GRID_LIMIT = 65535  # CUDA's grid y/z limit: a launch of one block per row stops there
+
+
+def _rows_of(a, normalized_shape):
+    return a.reshape((-1,) + tuple(a.shape[a.ndim - len(normalized_shape):]))
+
+
+class GridStopsAt65535(NumpyBackend):
+    """One program per row on a grid capped at 65535: rows past it are never visited and
+    keep the zeros of the output buffers (apex #411, pytorch #16998); its BatchNorm
+    takes the statistics of the first 65535 samples only (pytorch #19911). QK-norm goes
+    through its rms_norm, so its rows past the limit are zero too."""
+
+    def _cut(self, res, x, normalized_shape):
+        out = []
+        for a in res:
+            if a is not None and a.shape == x.shape and _rows_of(a, normalized_shape).shape[0] > GRID_LIMIT:
+                a = a.copy()
+                _rows_of(a, normalized_shape)[GRID_LIMIT:] = 0
+            out.append(a)
+        return Result(*out)
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        return self._cut(super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output),
+                         x, normalized_shape)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        return self._cut(super().rms_norm(x, normalized_shape, weight, eps, grad_output), x,
+                         normalized_shape)
+
+    def mean(self, v, axes):
+        return super().mean(v[:GRID_LIMIT], axes) if 0 in axes else super().mean(v, axes)
+
+    def variance(self, v, axes, mu):
+        return super().variance(v[:GRID_LIMIT], axes, mu) if 0 in axes else \
+            super().variance(v, axes, mu)
+
+
+class FastPathFrom256(NumpyBackend):
+    """From 256 rows on, dL/dgamma and dL/dbeta take a fast path that reduces the rows
+    in blocks of 256 and forgets the last, partial block: right for 256, 4096, 65536
+    rows, wrong for 257, 300, 65537 (the launch heuristics of vLLM #48271, the dgamma
+    path of pytorch PR #193016)."""
+
+    BLOCK = 256
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        res = super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        full = self._full_rows(x, normalized_shape, grad_output)
+        if full is None:
+            return res
+        part = super().layer_norm(self._head(x, normalized_shape, full), normalized_shape, weight,
+                                  bias, eps, self._head(grad_output, normalized_shape, full))
+        return res._replace(grad_weight=part.grad_weight, grad_bias=part.grad_bias)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        res = super().rms_norm(x, normalized_shape, weight, eps, grad_output)
+        full = self._full_rows(x, normalized_shape, grad_output)
+        if full is None:
+            return res
+        part = super().rms_norm(self._head(x, normalized_shape, full), normalized_shape, weight,
+                                eps, self._head(grad_output, normalized_shape, full))
+        return res._replace(grad_weight=part.grad_weight)
+
+    def _full_rows(self, x, normalized_shape, grad_output):
+        rows = _rows_of(x, normalized_shape).shape[0]
+        if grad_output is None or rows < self.BLOCK or rows % self.BLOCK == 0:
+            return None
+        return rows // self.BLOCK * self.BLOCK
+
+    @staticmethod
+    def _head(a, normalized_shape, full):
+        return np.ascontiguousarray(_rows_of(a, normalized_shape)[:full])
+
+
+class PaddedLanes(NumpyBackend):
+    """Pads each row to the next power of two with zeros and does not mask them: each
+    padded lane adds mu^2 to LayerNorm's squared deviations (Liger-Kernel #518), and
+    RMSNorm divides its sum of squares by the padded width (triton #9838)."""
+
+    @staticmethod
+    def _padded(axes, v):
+        d = int(np.prod([v.shape[a] for a in axes]))
+        return d, 1 << (d - 1).bit_length()
+
+    def variance(self, v, axes, mu):
+        d, p = self._padded(axes, v)
+        return super().variance(v, axes, mu) + (p - d) * mu * mu / d
+
+    def mean_square(self, v, axes):
+        d, p = self._padded(axes, v)
+        return super().mean_square(v, axes) * d / p
+
+
+class Assumes2D(NumpyBackend):
+    """A backward that takes M = x.shape[0] rows of x.size / M (FlagGems #5392): right
+    for 2-D input and when every axis after the first is normalized, wrong for
+    [B, T, d] normalized over d alone. The forward is right."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        res = super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        if grad_output is None or x.ndim - len(normalized_shape) == 1:
+            return res
+        flat = x.shape[1:]
+        wrong = super().layer_norm(x, flat, None, None, eps,
+                                   grad_output * (np.broadcast_to(weight, x.shape).astype(x.dtype)
+                                                  if weight is not None else 1))
+        return res._replace(grad_input=wrong.grad_input)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        res = super().rms_norm(x, normalized_shape, weight, eps, grad_output)
+        if grad_output is None or x.ndim - len(normalized_shape) == 1:
+            return res
+        flat = x.shape[1:]
+        wrong = super().rms_norm(x, flat, None, eps,
+                                 grad_output * (np.broadcast_to(weight, x.shape).astype(x.dtype)
+                                                if weight is not None else 1))
+        return res._replace(grad_input=wrong.grad_input)
+
+
+def _root(a):
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _as_contiguous_memory(a):
+    """What a kernel handed only a data pointer reads: a.size elements in order from the
+    view's first element, as if the view were C-contiguous (strides ignored)."""
+    if a is None or a.flags.c_contiguous:
+        return a
+    strides = tuple(int(np.prod(a.shape[k + 1:])) * a.itemsize for k in range(a.ndim))
+    return np.lib.stride_tricks.as_strided(a, a.shape, strides).copy()
+
+
+def _from_storage_start(a):
+    """What a kernel that drops the view's offset reads: the same strides from the start
+    of the underlying buffer (the storage's data pointer, not the view's)."""
+    if a is None:
+        return a
+    root = _root(a)
+    if root is a or root.__array_interface__["data"][0] == a.__array_interface__["data"][0]:
+        return a
+    return np.lib.stride_tricks.as_strided(root, a.shape, a.strides).copy()
+
+
+def _reads(read, *, grad_only=False):
+    class Broken(NumpyBackend):
+        def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+            return super().layer_norm(x if grad_only else read(x), normalized_shape, weight, bias,
+                                      eps, read(grad_output))
+
+        def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+            return super().rms_norm(x if grad_only else read(x), normalized_shape, weight, eps,
+                                    read(grad_output))
+    return Broken
+
+
+#: x and the upstream gradient read as if contiguous (LightLLM #1467)
+IgnoresStrides = _reads(_as_contiguous_memory)
+#: x and the upstream gradient read from the start of their buffers (the view's offset lost)
+IgnoresOffset = _reads(_from_storage_start)
+#: the backward reads the upstream gradient as if contiguous (quack #88)
+GradAssumedContiguous = _reads(_as_contiguous_memory, grad_only=True)
+
+
+class _BatchNormIgnoresStridesLayer(NumpyBatchNorm):
+    """Reads x and the upstream gradient as contiguous [N, C, ...] memory: a
+    channels-last or strided input is read in the wrong order (pytorch #62594)."""
+
+    def forward(self, x, grad_output=None):
+        return super().forward(_as_contiguous_memory(x), _as_contiguous_memory(grad_output))
+
+
+BatchNormIgnoresStrides = _bn_backend(_BatchNormIgnoresStridesLayer)
+
 # ---------------------------------------------------------------- conventions
 class DeclaresFloat32Parameters(NumpyBackend):
     """Declares eps held in float32 (as ONNX attributes are) but uses it as given."""
@@ -587,13 +764,12 @@ class CarriesCompensation(NumpyBackend):
 class RandomOrderSums(NumpyBackend):
     """Adds each row's terms in a different order at every call, as a reduction with
     atomic adds does (whichever thread finishes first): accurate every time, never the
-    same bits twice. The order comes from a call counter, so the test is repeatable."""
-
-    calls = 0
+    same bits twice. The order comes from the instance's own call counter, so a test is
+    repeatable whatever ran before it in the process."""
 
     def _permuted(self, v, axes):
-        RandomOrderSums.calls += 1
-        rng = np.random.default_rng(RandomOrderSums.calls)
+        self.calls = getattr(self, "calls", 0) + 1
+        rng = np.random.default_rng(self.calls)
         ends = tuple(range(v.ndim - len(axes), v.ndim))
         moved = np.moveaxis(v, axes, ends)
         flat = moved.reshape(moved.shape[:v.ndim - len(axes)] + (-1,))

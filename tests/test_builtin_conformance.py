@@ -22,13 +22,61 @@ def results_by_backend():
     return get
 
 
+#: Real findings of the shape matrix (issue #15) on built-in backends: the records stay
+#: "fail" in every run and report; listed here so the suite pins them (a fix, or a new
+#: failure, is noticed) instead of hiding them. (backend, check, dtype, quantity) -> what.
+KNOWN_FINDINGS = {
+    ("torch", "F2/F3.row_counts", "float16", "layer_norm.grad_input"):
+        "CPU LayerNorm saves mean and rstd in the half dtype for its backward: rows whose "
+        "spread is small against their mean get dL/dx off by up to 31.6 ULPs",
+    ("torch", "F2/F3.row_counts", "bfloat16", "layer_norm.grad_input"):
+        "the same in bfloat16: up to 39 ULPs (2.53 where the spec says -17.1)",
+    ("torch", "F2/F3.hidden_sizes", "float16", "layer_norm.grad_weight"):
+        "dL/dgamma from the same half-precision statistics: 2 ULPs, bound 1.01",
+    ("torch", "F2/F3.hidden_sizes", "bfloat16", "layer_norm.grad_weight"):
+        "the same in bfloat16: 2 ULPs, bound 1",
+    ("torch", "F1/F5.row_counts", "float32", "batch_norm.running_var"):
+        "BatchNorm1d on [131072, 2]: running_var 122 ULPs off at scale (bound 37; "
+        "torch.var_mean on the same data is within 1 ULP)",
+    ("numba", "F1/F5.row_counts", "float64", "batch_norm.running_var"):
+        "our numba BatchNorm accumulates the batch statistics sequentially: at 65535 samples "
+        "running_var is 42 ULPs of float64 off at scale, bound 35 (tree summation)",
+}
+
+
+def _known(name, r) -> bool:
+    return (name, r["check"], r["dtype"], r["quantity"]) in KNOWN_FINDINGS and \
+        r["status"] == "fail"
+
+
 @pytest.mark.parametrize("name", ["torch", "numba", "triton"])
 def test_backend_conforms_to_every_check_it_supports(results_by_backend, name):
     records = results_by_backend(name)
     bad = [f"{r['check']} {r['dtype']} {r['case']}: {r['status']}: {r['message'][:200]}"
-           for r in records if r["status"] in ("fail", "error")]
+           for r in records if r["status"] in ("fail", "error") and not _known(name, r)]
     assert [] == bad
     assert sum(r["status"] == "pass" for r in records) > 100
+
+
+def test_known_findings_still_fail(results_by_backend):
+    """Strict: each known finding still shows as a fail; when one stops, drop it."""
+    for name in sorted({k[0] for k in KNOWN_FINDINGS}):
+        seen = {(name, r["check"], r["dtype"], r["quantity"]) for r in results_by_backend(name)
+                if r["status"] == "fail"}
+        missing = [k for k in KNOWN_FINDINGS if k[0] == name and k not in seen]
+        assert [] == missing
+
+
+def test_triton_interpreter_declares_its_row_limit(results_by_backend):
+    """Row counts past the interpreter's declared max_rows are unsupported, with why."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: triton runs compiled, with no row limit")
+    records = results_by_backend("triton", ["F2/F3.row_counts"])
+    limited = [r for r in records if r["status"] == "unsupported"]
+    assert limited and all("max_rows = 64" in r["message"] and "interpreter" in r["message"]
+                           for r in limited)
+    assert any(r["status"] == "pass" for r in records)
 
 
 def test_torch_refuses_eps_zero_in_batchnorm_training(results_by_backend):

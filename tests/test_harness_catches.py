@@ -66,6 +66,13 @@ CATCHES = {
     "B9.deterministic": (bb.RandomOrderSums, "float32"),
     "F2.rounding_bias": (bb.TruncatesHalf, "float16"),
     "F3.rounding_bias": (bb.TruncatesHalf, "bfloat16"),
+    "F2/F3.row_counts": (bb.GridStopsAt65535, "float32"),
+    "F2/F3.hidden_sizes": (bb.PaddedLanes, "float32"),
+    "F2/F3.ranks": (bb.Assumes2D, "float32"),
+    "F2/F3.layouts": (bb.IgnoresStrides, "float32"),
+    "F6.row_counts": (bb.GridStopsAt65535, "float32"),
+    "F1/F5.row_counts": (bb.GridStopsAt65535, "float32"),
+    "F1/F5.batchnorm_layouts": (bb.BatchNormIgnoresStrides, "float32"),
 }
 
 # the issue's list of defects, each with a check that catches it; and a backend that
@@ -99,6 +106,14 @@ DEFECTS = {
     "a truncating float16 encoder (RMSNorm)": (bb.TruncatesHalf, "F3.rounding_bias", "float16"),
     "a truncating bfloat16 encoder (LayerNorm)": (bb.TruncatesHalf, "F2.rounding_bias",
                                                   "bfloat16"),
+    # issue #15, where real kernels break
+    "a fast path from 256 rows on that drops dgamma's partial block": (
+        bb.FastPathFrom256, "F2/F3.row_counts", "float32"),
+    "a kernel that ignores a view's offset": (bb.IgnoresOffset, "F2/F3.layouts", "float32"),
+    "a backward that assumes a contiguous upstream gradient": (
+        bb.GradAssumedContiguous, "F2/F3.layouts", "float32"),
+    "BatchNorm statistics of the first 65535 samples only": (
+        bb.GridStopsAt65535, "F1/F5.row_counts", "float32"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}

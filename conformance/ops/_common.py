@@ -25,19 +25,22 @@ def outputs_like(x, *, grads: bool, param_shape=None, weight=False, bias=False) 
 
 
 def compare_param_grads(ctx, code, prefix, g64, x_hat, sum_axes, expected_w, expected_b, res,
-                        kappa, bias_kappa=1.0) -> None:
+                        kappa, bias_kappa=1.0, variants=None) -> None:
     """dL/dgamma, dL/dbeta: sums over `sum_axes` of terms that each carry the forward's
     error, so the growth covers both reductions: n = every element of g. `prefix` names
-    the quantities ("layer_norm", "batch_norm.train")."""
+    the quantities ("layer_norm", "batch_norm.train"). `variants(i)`: the Alternatives
+    of the VJP's field i (1: dgamma, 2: dbeta), for diagnosis."""
     n = g64.size
     w_scale, b_scale = param_grad_scales(g64, x_hat, sum_axes)
     if expected_w is not None:
         ctx.conforms(expected=expected_w, actual=res.grad_weight, scale=w_scale,
                      bound=bound("param_gradient", ctx.dtype, n, np.max(kappa)),
-                     quantity=f"{prefix}.grad_weight", call=code)
+                     quantity=f"{prefix}.grad_weight", call=code,
+                     variants=variants(1) if variants else None)
         ctx.oracle("show(result.grad_weight, expected_grads[1], name='grad_weight')")
     if expected_b is not None:
         ctx.conforms(expected=expected_b, actual=res.grad_bias, scale=b_scale,
                      bound=bound("param_gradient", ctx.dtype, n, bias_kappa),
-                     quantity=f"{prefix}.grad_bias", call=code)
+                     quantity=f"{prefix}.grad_bias", call=code,
+                     variants=variants(2) if variants else None)
         ctx.oracle("show(result.grad_bias, expected_grads[2], name='grad_bias')")

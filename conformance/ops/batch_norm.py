@@ -3,10 +3,13 @@ functions."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import normspec.spec as spec
 import numpy as np
 
 from ..assertions import CheckFailure
+from ..diagnosis import Alternatives
 from ..tolerances import (
     bound,
     centred_output_scale,
@@ -122,11 +125,17 @@ class BatchNormDriver:
             # the cumulative average's weight 1/t, as a backend holding it rounded sees it
             a = ctx.effective(1.0 / (self.steps + 1), "momentum")
         self.step_a = 1.0 / (self.steps + 1) if a is None else a
+        variants = None
         if use_batch:
             keeps = training and self.track
+            rm_in, rv_in = (f64(self.rm), f64(self.rv)) if keeps else (None, None)
             expected, rm, rv = spec.batch_norm_train(
-                x64, f64(self.rm) if keeps else None, f64(self.rv) if keeps else None,
-                w64, b64, a, self.e, num_batches_tracked=self.steps)
+                x64, rm_in, rv_in, w64, b64, a, self.e, num_batches_tracked=self.steps)
+
+            def variants(pick, e=self.e):
+                return Alternatives("batch_norm_train",
+                                    lambda fn: fn(x64, rm_in, rv_in, w64, b64, a, e), pick,
+                                    x64.size // x64.shape[1])
             mean, var, n = x64.mean(axis=axes), x64.var(axis=axes), x64.size // x64.shape[1]
             kappa = centring_kappa(x64, axes, self.e)
             stats = "rm, rv" if keeps else "None, None"
@@ -145,12 +154,13 @@ class BatchNormDriver:
             ctx.conforms(expected=expected, actual=out,
                          scale=centred_output_scale(x_hat, gamma, beta, axes),
                          bound=bound("output", ctx.dtype, n, kappa),
-                         quantity=f"batch_norm.{phase}.output", what=what, call=code)
+                         quantity=f"batch_norm.{phase}.output", what=what, call=code,
+                         variants=variants(0) if variants else None)
         if g is not None:
             self._compare_grads(code, name, x64, f64(g), res, use_batch, mean, var, n, kappa)
         if training and self.track:
             self.steps += 1
-            self._compare_stats(rm, rv, x64, n, code)
+            self._compare_stats(rm, rv, x64, n, code, variants)
             self._compare_count(code)
         elif self.track:
             self._compare_count(code)
@@ -180,8 +190,13 @@ class BatchNormDriver:
         r = 1.0 / np.sqrt(var.reshape(bshape) + self.e)
         x_hat = (x64 - mean.reshape(bshape)) * r
         h = np.abs(g64 * (w64.reshape(bshape) if w64 is not None else 1.0))
+        vjp: Callable | None = None  # the catalogue has no eval-mode variants
         if use_batch:
             gx, gw, gb = spec.batch_norm_train_vjp(x64, g64, w64, b64, self.e)
+
+            def vjp(pick, e=self.e):
+                return Alternatives("batch_norm_train_vjp", lambda fn: fn(x64, g64, w64, b64, e),
+                                    pick, n)
             scale = grad_input_scale(r, h, x_hat, axes, centre=True)
             gx_bound, bias_kappa = bound("gradient", ctx.dtype, n, kappa), np.max(kappa)
             ctx.oracle(f"expected_grads = spec.batch_norm_train_vjp({name}, {name}_grad, weight, "
@@ -197,9 +212,10 @@ class BatchNormDriver:
         phase = "train" if use_batch else "eval"
         ctx.oracle("show(result.grad_input, expected_grads[0], name='grad_input')")
         ctx.conforms(expected=gx, actual=res.grad_input, scale=scale, bound=gx_bound,
-                     quantity=f"batch_norm.{phase}.grad_input", call=code)
+                     quantity=f"batch_norm.{phase}.grad_input", call=code,
+                     variants=vjp(0) if vjp is not None else None)
         compare_param_grads(ctx, code, f"batch_norm.{phase}", g64, x_hat, axes, gw, gb, res,
-                            kappa, bias_kappa=bias_kappa)
+                            kappa, bias_kappa=bias_kappa, variants=vjp)
 
     def _compare_count(self, code):
         """num_batches_tracked, where the layer exposes one: the training forwards so far."""
@@ -211,7 +227,10 @@ class BatchNormDriver:
                        spec_says=f"{self.steps}, one per training forward with running "
                                  f"statistics (F4)", call=code)
 
-    def _compare_stats(self, rm_ref, rv_ref, x64, count, code):
+    def _compare_stats(self, rm_ref, rv_ref, x64, count, code, variants=None):
+        """The running statistics after a training step against the oracle's update;
+        `variants(i)` recomputes field i (1: running_mean, 2: running_var) under a
+        variant of the training forward, for diagnosis."""
         ctx = self.ctx
         old_rm, old_rv = f64(self.rm), f64(self.rv)
         self.rm, self.rv = self._stats("after a training forward")
@@ -223,14 +242,15 @@ class BatchNormDriver:
         # the declared biased estimator's update, which the spec does not share (F4)
         biased = [((1 - a) * old_rv + a * x64.var(axis=axes), "running_var_estimator")] \
             if ctx.convention("running_var_estimator") == "biased" else []
-        for nm, ref, got, sc, explained, var in (
-                ("running_mean", rm_ref, self.rm, rm_scale, [], "new_rm"),
-                ("running_var", rv_ref, self.rv, rv_scale, biased, "new_rv")):
+        for nm, ref, got, sc, explained, var, pick in (
+                ("running_mean", rm_ref, self.rm, rm_scale, [], "new_rm", 1),
+                ("running_var", rv_ref, self.rv, rv_scale, biased, "new_rv", 2)):
             ctx.oracle(f"show(layer.{nm}, {var}, name='{nm}')")
             try:
                 ctx.conforms(expected=ref, actual=got, dtype=got.dtype, scale=sc,
                              bound=bound("running_stat", got.dtype, count),
-                             quantity=f"batch_norm.{nm}", call=code, explained=explained)
+                             quantity=f"batch_norm.{nm}", call=code, explained=explained,
+                             variants=variants(pick) if variants else None)
             except CheckFailure as exc:
                 if not self.defer_stats:
                     raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 import normspec.spec as spec
 import numpy as np
 
+from ..diagnosis import Alternatives
 from ..tolerances import (
     bound,
     centred_output_scale,
@@ -44,11 +45,18 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
     ctx.conforms(expected=spec.layer_norm(x64, shape, w64, b64, e), actual=res.output,
                  scale=centred_output_scale(x_hat, gamma, beta, axes),
                  bound=bound("output", ctx.dtype, d, kappa), quantity="layer_norm.output",
-                 call=code)
+                 call=code,
+                 variants=Alternatives("layer_norm", lambda fn: fn(x64, shape, w64, b64, e),
+                                       length=d))
     if g is None:
         return
     g64 = f64(g)
     gx, gw, gb = spec.layer_norm_vjp(x64, shape, g64, w64, b64, e)
+
+    def vjp(pick):
+        return Alternatives("layer_norm_vjp", lambda fn: fn(x64, shape, g64, w64, b64, e), pick,
+                            d)
+
     r = 1.0 / np.sqrt(x64.var(axis=axes, keepdims=True) + e)
     h = np.abs(g64 * (w64 if w64 is not None else 1.0))
     ctx.oracle(f"expected_grads = spec.layer_norm_vjp(x, {shape!r}, grad, weight, bias, {e!r})",
@@ -56,9 +64,9 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
     ctx.conforms(expected=gx, actual=res.grad_input,
                  scale=grad_input_scale(r, h, x_hat, axes, centre=True),
                  bound=bound("gradient", ctx.dtype, d, kappa), quantity="layer_norm.grad_input",
-                 call=code)
+                 call=code, variants=vjp(0))
     compare_param_grads(ctx, code, "layer_norm", g64, x_hat, tuple(range(axes[0])), gw, gb, res,
-                        kappa)
+                        kappa, variants=vjp)
 
 
 def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None) -> None:
@@ -81,16 +89,23 @@ def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None)
                "show(result.output, expected, name='output')")
     ctx.conforms(expected=spec.rms_norm(x64, shape, w64, e), actual=res.output,
                  scale=rms_output_scale(x_r, gamma, axes), bound=bound("output", ctx.dtype, d),
-                 quantity="rms_norm.output", call=code)
+                 quantity="rms_norm.output", call=code,
+                 variants=Alternatives("rms_norm", lambda fn: fn(x64, shape, w64, e), length=d))
     if g is None:
         return
     g64 = f64(g)
     gx, gw = spec.rms_norm_vjp(x64, shape, g64, w64, e)
+
+    def vjp(pick):
+        return Alternatives("rms_norm_vjp", lambda fn: fn(x64, shape, g64, w64, e), pick, d)
+
     r = 1.0 / np.sqrt((x64 * x64).mean(axis=axes, keepdims=True) + e)
     h = np.abs(g64 * (w64 if w64 is not None else 1.0))
     ctx.oracle(f"expected_grads = spec.rms_norm_vjp(x, {shape!r}, grad, weight, {e!r})",
                "show(result.grad_input, expected_grads[0], name='grad_input')")
     ctx.conforms(expected=gx, actual=res.grad_input,
                  scale=grad_input_scale(r, h, x_r, axes, centre=False),
-                 bound=bound("gradient", ctx.dtype, d), quantity="rms_norm.grad_input", call=code)
-    compare_param_grads(ctx, code, "rms_norm", g64, x_r, tuple(range(axes[0])), gw, None, res, 1.0)
+                 bound=bound("gradient", ctx.dtype, d), quantity="rms_norm.grad_input", call=code,
+                 variants=vjp(0))
+    compare_param_grads(ctx, code, "rms_norm", g64, x_r, tuple(range(axes[0])), gw, None, res, 1.0,
+                        variants=vjp)

@@ -1,0 +1,228 @@
+"""Where real kernels break: a fixed matrix of shapes and memory layouts, grouped by the
+bug class each group exercises (shared/research/kernel-bug-classes.md, "Shapes, layouts,
+memory").
+
+Fixed cases, not Hypothesis-drawn, so a compiled backend compiles a bounded number of
+times. Cases are data (a generator of dicts per group, as PyTorch's OpInfo sample inputs
+are); every input is an ArraySpec recipe, layouts included, so a failure's repro rebuilds
+the same view. Every op runs with weight and bias, and with an upstream gradient where
+the backend returns gradients, so dL/dgamma and dL/dbeta are compared in every case.
+
+- row counts straddling launch thresholds (256-row fast paths, 65535-block grids, int16
+  row indices): apex #411, pytorch #16998, #19911, vLLM #48271;
+- hidden sizes that are not powers of two (padded lanes) and longer than one block:
+  Liger-Kernel #518, triton #9838;
+- ranks 2 to 4 and multi-axis normalized shapes (backwards that assume 2-D input):
+  FlagGems #5392, Liger-Kernel #1375;
+- strides and offsets: a last axis with stride 2, a slice with an offset, a transposed
+  view, a non-contiguous upstream gradient: LightLLM #1467, quack #88;
+- BatchNorm on channels-last and strided [N, C, H, W]: pytorch #62594, #107199.
+
+The row counts are kept small in d (4) so 131072 rows stay a few MB; a backend whose
+capabilities declare `max_rows` (the Triton interpreter) records the larger row counts as
+unsupported with its reason.
+"""
+
+from __future__ import annotations
+
+from ..cases import ArraySpec
+from ..context import Unsupported
+from ..ops import BatchNormDriver, layer_norm_case, qk_scores_case, rms_norm_case
+from . import check
+
+ROW_COUNTS = (1, 2, 255, 256, 257, 300, 4096, 65535, 65536, 65537, 131072)
+ROW_D = 4  # small: 131072 x 4 float64 is 4 MB, and the matrix stays fast
+HIDDEN_SIZES = {17: 3, 1536: 3, 3584: 2, 70_003: 2}  # d -> rows
+#: (x shape, normalized_shape): ranks 2, 3, 4, one to three normalized axes
+RANKS = (((6, 24), (24,)), ((2, 3, 24), (24,)), ((2, 3, 24), (3, 24)),
+         ((2, 2, 3, 24), (24,)), ((2, 2, 3, 24), (3, 24)), ((2, 2, 3, 24), (2, 3, 24)))
+LAYOUT_SHAPE = (2, 5, 24)
+VIEW_LAYOUTS = ("strided", "sliced", "transposed")
+BN_C = 3
+BN_ROW_C = 2  # channels of the row-count cases: few, so 131072 samples stay fast
+BN_LAYOUT_SHAPES = {4: (4, BN_C, 5, 6), 3: (4, BN_C, 7), 2: (12, BN_C)}
+NORM_OPS = ("layer_norm", "rms_norm")
+
+
+def _rows_allowed(ctx, rows: int) -> None:
+    caps = ctx.backend.capabilities
+    limit = getattr(caps, "max_rows", None)
+    if limit is not None and rows > limit:
+        raise Unsupported(f"{rows} rows: capabilities say max_rows = {limit} "
+                          f"({getattr(caps, 'max_rows_reason', '') or 'no reason given'})")
+
+
+def _norm(ctx, case):
+    """One LayerNorm or RMSNorm case: weight and bias (LayerNorm), and the gradients
+    where the backend returns them; `layout` / `grad_layout` / `param_layout` place x,
+    the upstream gradient and the parameters in memory."""
+    op, shape, ns, seed = case["op"], case["shape"], case["normalized_shape"], ctx.seed
+    rows = 1
+    for n in shape[:len(shape) - len(ns)]:
+        rows *= n
+    ctx.require(op)
+    _rows_allowed(ctx, rows)
+    grads = ctx.has_gradient(op)
+    pl = case.get("param_layout", "contiguous")
+    args = dict(x=ArraySpec(shape, seed, 1.0, 2.0, case.get("layout", "contiguous")),
+                normalized_shape=ns, weight=ArraySpec(ns, seed + 1, 1.0, 0.5, pl),
+                grad=ArraySpec(shape, seed + 3, 0.0, 1.0, case.get("grad_layout", "contiguous"))
+                if grads else None)
+    if op == "layer_norm":
+        layer_norm_case(ctx, bias=ArraySpec(ns, seed + 2, 0.0, 0.5, pl), eps=1e-5, **args)
+    else:
+        rms_norm_case(ctx, eps=1e-6, **args)
+
+
+def _name(case, label) -> str:
+    return f"{case['op']}: {label}"
+
+
+def _run(ctx, cases, runner, label):
+    for case in cases:
+        # say so where a backend returns no gradients: those cases compare the forward only
+        alone = "" if ctx.has_gradient(case["op"]) else ", forward only (no gradients listed)"
+        with ctx.case(_name(case, label(case)) + alone, op=case["op"]):
+            runner(ctx, case)
+
+
+# ------------------------------------------------------------------ LayerNorm, RMSNorm
+def row_count_cases():
+    for op in NORM_OPS:
+        for rows in ROW_COUNTS:
+            yield dict(op=op, shape=(rows, ROW_D), normalized_shape=(ROW_D,))
+
+
+def hidden_size_cases():
+    for op in NORM_OPS:
+        for d, rows in HIDDEN_SIZES.items():
+            yield dict(op=op, shape=(rows, d), normalized_shape=(d,))
+
+
+def rank_cases():
+    for op in NORM_OPS:
+        for shape, ns in RANKS:
+            yield dict(op=op, shape=shape, normalized_shape=ns)
+
+
+def layout_cases():
+    base = dict(shape=LAYOUT_SHAPE, normalized_shape=LAYOUT_SHAPE[-1:])
+    for op in NORM_OPS:
+        for layout in VIEW_LAYOUTS:
+            yield dict(base, op=op, layout=layout)
+            yield dict(base, op=op, grad_layout=layout)
+        yield dict(base, op=op, layout="strided", grad_layout="sliced", param_layout="strided")
+
+
+def _layout_label(case) -> str:
+    parts = [f"{k.split('_')[0] if k != 'layout' else 'x'} {case[k]}"
+             for k in ("layout", "grad_layout", "param_layout") if k in case]
+    return f"{', '.join(parts).replace('param', 'weight/bias')}, x {case['shape']}"
+
+
+@check("F2/F3.row_counts", title="Row counts straddling launch thresholds (1 to 131072 rows: "
+       "255/256/257, 65535/65536/65537): outputs and every gradient equal the oracle's",
+       ops=NORM_OPS)
+def row_counts(ctx):
+    _run(ctx, row_count_cases(), _norm,
+         lambda c: f"{c['shape'][0]} rows x d = {ROW_D}")
+
+
+@check("F2/F3.hidden_sizes", title="Hidden sizes that are not powers of two (17, 1536, 3584) "
+       "and longer than 65536 (70003): outputs and every gradient equal the oracle's",
+       ops=NORM_OPS)
+def hidden_sizes(ctx):
+    _run(ctx, hidden_size_cases(), _norm,
+         lambda c: f"d = {c['shape'][1]}, {c['shape'][0]} rows")
+
+
+@check("F2/F3.ranks", title="Ranks 2, 3 and 4, one to three normalized axes: outputs and every "
+       "gradient equal the oracle's", ops=NORM_OPS)
+def ranks(ctx):
+    _run(ctx, rank_cases(), _norm,
+         lambda c: f"x {c['shape']}, normalized_shape {c['normalized_shape']}")
+
+
+@check("F2/F3.layouts", title="Views: a last axis with stride 2, a slice with an offset, a "
+       "transposed view, for x, the upstream gradient and the parameters: results equal the "
+       "oracle's on the same values", ops=NORM_OPS)
+def layouts(ctx):
+    _run(ctx, layout_cases(), _norm, _layout_label)
+
+
+# ------------------------------------------------------------------ QK-norm
+QK_KEYS = 4
+
+
+@check("F6.row_counts", title="QK-norm scores with 1 to 131072 query rows (launch thresholds), "
+       "and q, k as strided or sliced views", ops=("qk_norm_scores",))
+def qk_row_counts(ctx):
+    for rows in ROW_COUNTS:
+        with ctx.case(f"{rows} query rows x d = {ROW_D}, {QK_KEYS} keys"):
+            _rows_allowed(ctx, rows)
+            qk_scores_case(ctx, q=ArraySpec((1, rows, ROW_D), ctx.seed, 0.0, 1.0),
+                           k=ArraySpec((1, QK_KEYS, ROW_D), ctx.seed + 1, 0.0, 1.0),
+                           q_weight=ArraySpec((ROW_D,), ctx.seed + 2, 1.0, 0.5),
+                           k_weight=ArraySpec((ROW_D,), ctx.seed + 3, 1.0, 0.5))
+    for layout in ("strided", "sliced"):
+        with ctx.case(f"q and k {layout}, [2, 3, 5, 24]"):
+            qk_scores_case(ctx, q=ArraySpec((2, 3, 5, 24), ctx.seed, 0.0, 1.0, layout),
+                           k=ArraySpec((2, 3, 6, 24), ctx.seed + 1, 0.0, 1.0, layout))
+
+
+# ------------------------------------------------------------------ BatchNorm
+def batchnorm_row_cases():
+    """[rows, 2]: BatchNorm's rows are its samples. One sample is B3's business (training
+    on one value per channel raises), so the counts start at 2."""
+    for rows in ROW_COUNTS:
+        if rows > 1:
+            yield dict(shape=(rows, BN_ROW_C), layout="contiguous")
+
+
+def batchnorm_layout_cases():
+    for rank, shape in sorted(BN_LAYOUT_SHAPES.items(), reverse=True):
+        for layout in ("channels_last", "strided", "sliced", "transposed"):
+            if layout == "channels_last" and rank < 3:
+                continue  # [N, C] already has C innermost
+            yield dict(shape=shape, layout=layout)
+
+
+def _bn_grads(ctx) -> str:
+    return "" if ctx.has_gradient("batch_norm") else " (no gradients listed: outputs and statistics)"
+
+
+def _batchnorm(ctx, case):
+    """One training step (with gradients where the backend has them) on the case's x,
+    then one eval step on another batch in the same layout: outputs, gradients and the
+    running statistics against the oracle."""
+    shape, layout, seed = case["shape"], case["layout"], ctx.seed
+    c = shape[1]
+    ctx.require("batch_norm")
+    grads = ctx.has_gradient("batch_norm")
+    driver = BatchNormDriver(ctx, c, momentum=0.3,
+                             weight=ArraySpec((c,), seed + 7, 1.0, 0.5),
+                             bias=ArraySpec((c,), seed + 8, 0.0, 0.5), defer_stats=True)
+    driver.step("x", ArraySpec(shape, seed, 1.0, 2.0, layout), mode="train",
+                grad=ArraySpec(shape, seed + 10, 0.0, 1.0, layout) if grads else None)
+    driver.set_mode(False)
+    driver.step("x_eval", ArraySpec(shape, seed + 2, -1.0, 0.7, layout), mode="eval",
+                grad=ArraySpec(shape, seed + 12, 0.5, 1.0, layout) if grads else None)
+    driver.raise_deferred()
+
+
+@check("F1/F5.row_counts", title="BatchNorm with 2 to 131072 samples (launch thresholds): "
+       "train and eval outputs, gradients and running statistics equal the oracle's",
+       ops=("batch_norm",))
+def batchnorm_row_counts(ctx):
+    for case in batchnorm_row_cases():
+        with ctx.case(f"x {case['shape']}: train, then eval" + _bn_grads(ctx)):
+            _batchnorm(ctx, case)
+
+
+@check("F1/F5.batchnorm_layouts", title="BatchNorm on [N, C, H, W] stored channels-last, and on "
+       "strided, sliced and transposed views: train and eval outputs, gradients and running "
+       "statistics equal the oracle's", ops=("batch_norm",))
+def batchnorm_layouts(ctx):
+    for case in batchnorm_layout_cases():
+        with ctx.case(f"x {case['shape']} {case['layout']}: train, then eval" + _bn_grads(ctx)):
+            _batchnorm(ctx, case)

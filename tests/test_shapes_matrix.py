@@ -1,0 +1,84 @@
+"""The shape and layout matrix (conformance/checks/shapes.py): layouts are real views
+whose recipe prints and rebuilds them, the groups have the cases the issue lists, and
+the broken backends fail exactly where their bug class says (at the thresholds)."""
+
+from __future__ import annotations
+
+import broken_backends as bb
+import numpy as np
+import pytest
+from normspec.conformance import runner
+from normspec.conformance.cases import LAYOUTS, ArraySpec
+from normspec.conformance.checks import all_checks, shapes
+from normspec.impls.registry import LoadedBackend
+
+CHECKS = {c.id: c for c in all_checks()}
+
+
+def _offset(a):
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layouts_hold_the_same_values_and_rebuild_from_their_code(layout, dtype):
+    spec = ArraySpec((3, 4, 5, 6), 1, 1.0, 2.0, layout)
+    a, plain = spec.build(dtype), ArraySpec((3, 4, 5, 6), 1, 1.0, 2.0).build(dtype)
+    assert np.array_equal(a, plain)
+    again = eval(spec.code(dtype), {"ArraySpec": ArraySpec})  # noqa: S307 - our own recipe
+    assert np.array_equal(again, a) and again.strides == a.strides and again.dtype == a.dtype
+    item = a.itemsize
+    if layout == "contiguous":
+        assert a.flags.c_contiguous
+        return
+    assert not a.flags.c_contiguous
+    if layout == "strided":
+        assert a.strides[-1] == 2 * item
+    elif layout == "sliced":
+        assert _offset(a) > 0 and a.strides[-1] == item and a.strides[-2] != 6 * item
+    elif layout == "channels_last":
+        assert a.strides[1] == item
+    elif layout == "transposed":
+        assert a.strides[-2] == item
+
+
+def test_the_gaps_of_a_view_hold_nan():
+    """A kernel that reads outside the view sees NaN, not a plausible number."""
+    a = ArraySpec((2, 5), 0, layout="strided").build("float32")
+    assert np.isnan(a.base).sum() == a.size
+
+
+def test_the_groups_have_the_issues_cases():
+    assert [c["shape"][0] for c in shapes.row_count_cases()][:11] == [
+        1, 2, 255, 256, 257, 300, 4096, 65535, 65536, 65537, 131072]
+    assert {c["shape"][1] for c in shapes.hidden_size_cases()} == {17, 1536, 3584, 70_003}
+    assert {len(c["shape"]) for c in shapes.rank_cases()} == {2, 3, 4}
+    assert {len(c["normalized_shape"]) for c in shapes.rank_cases()} == {1, 2, 3}
+    layouts = list(shapes.layout_cases())
+    assert {c.get("layout") for c in layouts} >= {"strided", "sliced", "transposed"}
+    assert {c.get("grad_layout") for c in layouts} >= {"strided", "sliced", "transposed"}
+    bn = list(shapes.batchnorm_layout_cases())
+    assert {"channels_last", "strided", "sliced"} <= {c["layout"] for c in bn}
+    assert any(c["layout"] == "channels_last" and len(c["shape"]) == 4 for c in bn)
+    for case in shapes.row_count_cases():
+        assert np.prod(case["shape"]) * 8 < 50e6  # every array under ~50 MB in float64
+
+
+def _failing_rows(backend, check_id):
+    loaded = LoadedBackend(backend.name, "tests", backend=backend)
+    records = runner.run_check(loaded, CHECKS[check_id], "float32", seed=0, examples=1)
+    return {(r.op, int(r.case.split(": ")[1].split(" ")[0])) for r in records
+            if r.status == "fail"}
+
+
+def test_a_grid_that_stops_at_65535_rows_fails_past_it_only():
+    failing = _failing_rows(bb.GridStopsAt65535(), "F2/F3.row_counts")
+    assert failing == {(op, n) for op in ("layer_norm", "rms_norm") for n in (65536, 65537, 131072)}
+
+
+def test_a_fast_path_from_256_rows_fails_on_partial_blocks_only():
+    failing = _failing_rows(bb.FastPathFrom256(), "F2/F3.row_counts")
+    assert failing == {(op, n) for op in ("layer_norm", "rms_norm") for n in (257, 300, 65535, 65537)}
