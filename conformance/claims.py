@@ -45,6 +45,15 @@ CLAIMS: dict[str, str] = {
     "B8": "normalized_shape, not the layer's name, decides which axes are normalized.",
     "B9": "If the same input must give the same output in any batch, do not use batch "
           "statistics.",
+    "DP1": "Beyond the document (B7/E4 at scale): local BatchNorm under data parallelism over "
+           "R replicas is the oracle on each shard (outputs, dL/dx, gradients before and after "
+           "the gradient all-reduce), and differs from the global batch.",
+    "DP2": "Beyond the document: cross-replica (sync) BatchNorm is BatchNorm of the global "
+           "batch: outputs, gradients, running mean and the unbiased running variance from the "
+           "global count, for shards of any size; B3 applies to the global count.",
+    "DP3": "Beyond the document: between data-parallel steps the running statistics follow "
+           "the framework's declared buffer rule (each replica's own, or replica 0's "
+           "broadcast at every forward as DistributedDataParallel does by default).",
     "protocol": "The backend protocol: outputs of the input's shape and dtype, inputs never "
                 "modified, conventions as declared.",
 }

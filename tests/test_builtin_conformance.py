@@ -50,3 +50,36 @@ def test_flax_fast_variance_fails_the_large_shift(results_by_backend):
     records = results_by_backend("jax", ["B1.layer_norm_shift"])
     f32 = [r for r in records if r["dtype"] == "float32"]
     assert {"fail"} == {r["status"] for r in f32}
+
+
+def test_torch_data_parallel_local_conforms_and_sync_batch_norm_is_refused_on_cpu(
+        results_by_backend):
+    """DDP over BatchNorm matches the oracle per shard (DP1) and follows its declared
+    buffer broadcast (DP3); SyncBatchNorm refuses CPU tensors, with torch's message."""
+    import torch
+
+    records = [r for r in results_by_backend("torch") if r["claim"].startswith("DP")]
+    local = [r for r in records if r["claim"] in ("DP1", "DP3")]
+    assert local and {"pass"} == {r["status"] for r in local}
+    sync = [r for r in records if r["claim"] == "DP2"]
+    if torch.cuda.is_available():
+        assert {"pass"} == {r["status"] for r in sync}
+    else:
+        assert sync and {"refused"} == {r["status"] for r in sync}
+        assert all("SyncBatchNorm layers only work with GPU modules" in r["message"] for r in sync)
+
+
+def test_flax_cross_replica_batch_norm_is_the_global_batch_but_its_biased_running_var(
+        results_by_backend):
+    """BatchNorm(axis_name=...) under shard_map: every compared quantity conforms but the
+    running variance, which Flax keeps biased (its declared convention); unequal shards
+    are unsupported (shard_map splits evenly); one value per replica trains (declared)."""
+    records = results_by_backend("jax", ["DP"])
+    assert {"deviation", "unsupported"} == {r["status"] for r in records}
+    for r in records:
+        if r["status"] == "deviation":
+            assert r["reason"].startswith(("declared convention running_var_estimator",
+                                           "declared convention single_value_batch")), r
+            assert "running_var" in r["message"] or "one value per channel" in r["message"]
+        else:
+            assert "unequal shards" in r["case"] and "equal shards" in r["message"]

@@ -56,6 +56,11 @@ CATCHES = {
     "F4.momentum_meaning": (bb.FlippedMomentum, "float32"),
     "protocol.eps_zero": (bb.DeclaresRefusalButAccepts, "float32"),
     "protocol.parameter_dtype": (bb.DeclaresFloat32Parameters, "float64"),
+    "DP1.local_per_shard": (bb.DpLocalUsesGlobalStats, "float32"),
+    "DP1.e4_split": (bb.DpLocalUsesGlobalStats, "float32"),
+    "DP2.sync_global": (bb.DpSyncAveragesVariances, "float32"),
+    "DP2.global_count": (bb.DpSyncB3PerReplica, "float32"),
+    "DP3.buffers": (bb.DpBuffersNotBroadcast, "float32"),
 }
 
 # the list of defects, each with a check that catches it; and a backend that
@@ -80,6 +85,14 @@ DEFECTS = {
     "a softcap that ignores cap (always 30)": (bb.SoftcapIgnoresCap, "F7.softcap", "float32"),
     "a LayerNorm that ignores normalized_shape (last axis only)": (bb.LastAxisOnly, "F2.values",
                                                                    "float32"),
+    "a data-parallel gradient all-reduce that sums instead of averaging": (
+        bb.DpSumsGradients, "DP1.local_per_shard", "float32"),
+    "a sync BatchNorm that ignores unequal shard sizes": (bb.DpSyncIgnoresUnequalShards,
+                                                          "DP2.sync_global", "float32"),
+    "a sync BatchNorm that averages per-replica variances": (bb.DpSyncAveragesVariances,
+                                                             "DP2.sync_global", "float64"),
+    "a local BatchNorm that reduces statistics across replicas (E4 split)": (
+        bb.DpLocalUsesGlobalStats, "DP1.e4_split", "float64"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}

@@ -37,7 +37,7 @@ def check(id: str, *, title: str, ops: tuple[str, ...], needs: tuple[str, ...] =
 
 #: The families, in the order the issue lists them and the report shows them.
 FAMILIES = ("values", "gradients", "invariance", "batchnorm_state", "batchnorm_matrix",
-            "accumulation", "qk_bound", "robustness", "contract")
+            "accumulation", "data_parallel", "qk_bound", "robustness", "contract")
 
 
 def all_checks() -> list[Check]:
