@@ -120,7 +120,7 @@ class DataParallelRun:
         if t == 0:
             c = self.w.shape[0]
             return [np.zeros(c)] * self.world, [np.ones(c)] * self.world, \
-                f"[np.zeros({c})] * {self.world}", f"[np.ones({c})] * {self.world}"
+                f"([np.zeros({c})] * {self.world})", f"([np.ones({c})] * {self.world})"
         res = self.result
         src = [0] * self.world if rule == "broadcast_rank0" else list(range(self.world))
         rms = [f64(res.running_mean[t - 1][s]) for s in src]
