@@ -69,17 +69,20 @@ def test_torch_data_parallel_local_conforms_and_sync_batch_norm_is_refused_on_cp
         assert all("SyncBatchNorm layers only work with GPU modules" in r["message"] for r in sync)
 
 
-def test_flax_cross_replica_batch_norm_is_the_global_batch_but_its_biased_running_var(
+def test_flax_cross_replica_batch_norm_is_the_global_batch_for_equal_shards_only(
         results_by_backend):
     """BatchNorm(axis_name=...) under shard_map: every compared quantity conforms but the
-    running variance, which Flax keeps biased (its declared convention); unequal shards
-    are unsupported (shard_map splits evenly); one value per replica trains (declared)."""
+    running variance, which Flax keeps biased (its declared convention), and one value per
+    replica trains (declared). Unequal shards (padded, with BatchNorm's mask) fail: Flax
+    pmeans each replica's masked mean, weighting replicas and not rows (a finding)."""
     records = results_by_backend("jax", ["DP"])
-    assert {"deviation", "unsupported"} == {r["status"] for r in records}
+    fails = [r for r in records if r["status"] == "fail"]
+    assert {(r["check"], r["case"]) for r in fails} == {
+        ("DP2.sync_global", "R = 2, unequal shards [2, 3]")}
+    assert {r["dtype"] for r in fails} == {"float32", "float64"}
     for r in records:
         if r["status"] == "deviation":
             assert r["reason"].startswith(("declared convention running_var_estimator",
                                            "declared convention single_value_batch")), r
-            assert "running_var" in r["message"] or "one value per channel" in r["message"]
         else:
-            assert "unequal shards" in r["case"] and "equal shards" in r["message"]
+            assert r["status"] == "fail", r

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from normspec.conformance import results, runner
 
-CHECKS = ["F2.values", "F1.values", "B3", "DP1", "DP3"]
+CHECKS = ["F2.values", "B3", "DP1", "DP3"]
 DTYPES = ["float32", "float64"]
 
 
 def _run(shard=None):
-    return runner.run(["numpy", "oracle_backend:make_backend"], checks=CHECKS, dtypes=DTYPES,
-                      seed=3, examples=2, label="ci", shard=shard, jobs=2)
+    return runner.run(["numpy"], checks=CHECKS, dtypes=DTYPES, seed=3, examples=2, label="ci",
+                      shard=shard)
 
 
 def _comparable(records):
