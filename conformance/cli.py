@@ -60,9 +60,11 @@ def cmd_backends(args) -> int:
             print(f"  no-grad mode: {caps.get('no_grad_mode')}, momentum=None: "
                   f"{caps.get('cumulative_momentum')}, track_running_stats=False: "
                   f"{caps.get('untracked_stats')}")
+            print(f"  data parallel: {', '.join(caps.get('data_parallel', [])) or '-'}")
             print("  conventions (verified):")
             for key in ("running_var_estimator", "eps_zero", "parameter_dtype",
-                        "single_value_batch"):
+                        "single_value_batch", "data_parallel_buffers",
+                        "sync_batch_norm_refused"):
                 print(f"    {key}: {conv.get(key)}")
             print("  conventions (declared, not verified):")
             for key in ("default_eps", "native_momentum", "half_compute_dtype",

@@ -75,8 +75,9 @@ class TorchBackend(Backend):
         self._replicas = None
         if not self.torch.cuda.is_available():
             reasons = dict(self.conventions.reasons, sync_batch_norm_refused=(
-                "torch.nn.SyncBatchNorm runs on GPU (or XPU, privateuseone) tensors only; "
-                "this machine has no GPU"))
+                "torch.nn.SyncBatchNorm needs GPU modules: DistributedDataParallel refuses a "
+                "CPU one when it is built ('SyncBatchNorm layers only work with GPU modules'), "
+                "and SyncBatchNorm's own forward refuses CPU tensors; this machine has no GPU"))
             self.conventions = dataclasses.replace(self.conventions, sync_batch_norm_refused=True,
                                                    reasons=reasons)
 

@@ -143,6 +143,7 @@ def _sync_call(ctx, run):
         return run.call()
     message = run.raises()
     if message is not None:
+        ctx.notes.append(ctx.reason("sync_batch_norm_refused"))
         raise Refused(message)
     ctx.holds(condition=False, got="a result",
               spec_says="the backend declared sync_batch_norm_refused = True", call=run.code)
