@@ -86,3 +86,34 @@ def _alive(pid):
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie (not yet reaped by init) is dead
         return f.read().split()[2] != "Z"
+
+
+class ReplicasThatCannotStart:
+    """numpy, but its data-parallel BatchNorm runs in replica processes that fail to set
+    up (a rendezvous that cannot happen, say)."""
+
+    def __new__(cls):
+        from normspec.impls.numpy_ref import NumpyBackend
+
+        class Backend(NumpyBackend):
+            name = "replicas_that_cannot_start"
+
+            def data_parallel_batch_norm(self, steps, **kwargs):
+                g = group(world=len(steps[0]), REPLICA_SETUP_FAILS="1")
+                try:
+                    g.run([{}] * len(steps[0]))
+                finally:
+                    g.close()
+
+        return Backend()
+
+
+def test_a_dp_check_whose_processes_cannot_start_is_an_error_for_that_check_alone():
+    from normspec.conformance import runner
+
+    doc = runner.run(["test_replicas:ReplicasThatCannotStart"], checks=["DP1.e4_split", "F2.values"],
+                     dtypes=["float32"], examples=2)
+    by_check = {r["check"]: r for r in doc["records"]}
+    assert by_check["DP1.e4_split"]["status"] == "error"
+    assert "could not start: RuntimeError: no collective here" in by_check["DP1.e4_split"]["message"]
+    assert by_check["F2.values"]["status"] == "pass" and doc["runs"][0]["complete"]

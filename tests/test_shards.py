@@ -54,3 +54,15 @@ def test_shards_are_the_same_on_every_machine():
     assert sorted(u for s in first for u in s) == sorted(units)
     with pytest.raises(ValueError, match="K must be from 1 to N"):
         runner.shard_units(units, (5, 4))
+
+
+def test_normspec_report_merges_the_shards_into_one_column(runs, tmp_path, capsys):
+    from normspec.conformance import cli
+    from normspec.reports import html
+
+    _, shards = runs
+    paths = [str(results.write(d, tmp_path / f"shard{k}.json")) for k, d in enumerate(shards, 1)]
+    assert cli.main(["report", *paths, "-o", str(tmp_path / "merged.html")]) == 0
+    assert "3 result file(s)" in capsys.readouterr().out
+    context = html.build_context(results.merge([results.read(p) for p in paths]))
+    assert context["columns"] == ["numpy"] and len(context["verdicts"]) == 1

@@ -67,6 +67,10 @@ def _sizes(kind, world):
     return [3] * world if kind == "equal" else [2 + r for r in range(world)]
 
 
+#: eps and momentum per case, varied so that a backend ignoring either is caught
+PARAMS = {"equal": dict(eps=1e-5, momentum=0.1), "unequal": dict(eps=1e-3, momentum=0.3)}
+
+
 @check("DP1.local_per_shard", title="Local BatchNorm on R replicas is the oracle on each "
        "shard: outputs, dL/dx, gradients before and after the all-reduce, running statistics; "
        "one sample per replica raises (B3 per replica)", ops=("batch_norm",),
@@ -75,11 +79,12 @@ def local_per_shard(ctx):
     world = replicas()
     for kind in ("equal", "unequal"):
         sizes = _sizes(kind, world)
-        with ctx.case(f"R = {world}, {kind} shards {sizes}"):
+        with ctx.case(f"R = {world}, {kind} shards {sizes}, {PARAMS[kind]}"):
             _require(ctx, "local")
             xs, gs = _shards(ctx, sizes)
             w, b = _params(ctx)
-            run = DataParallelRun(ctx, sync=False, steps=[xs], grads=[gs], weight=w, bias=b)
+            run = DataParallelRun(ctx, sync=False, steps=[xs], grads=[gs], weight=w, bias=b,
+                                  **PARAMS[kind])
             run.call()
             run.compare(0)
     with ctx.case(f"R = {world}, one sample [1, {C}] per replica"):
@@ -157,11 +162,12 @@ def sync_global(ctx):
     world = replicas()
     for kind in ("equal", "unequal"):
         sizes = _sizes(kind, world)
-        with ctx.case(f"R = {world}, {kind} shards {sizes}"):
+        with ctx.case(f"R = {world}, {kind} shards {sizes}, {PARAMS[kind]}"):
             _require(ctx, "sync")
             xs, gs = _shards(ctx, sizes)
             w, b = _params(ctx)
-            run = DataParallelRun(ctx, sync=True, steps=[xs], grads=[gs], weight=w, bias=b)
+            run = DataParallelRun(ctx, sync=True, steps=[xs], grads=[gs], weight=w, bias=b,
+                                  **PARAMS[kind])
             _sync_call(ctx, run)
             run.compare(0)
 
@@ -188,12 +194,13 @@ def buffers(ctx):
     world = replicas()
     rule = ctx.convention("data_parallel_buffers", "per_replica")
     other = "per_replica" if rule == "broadcast_rank0" else "broadcast_rank0"
-    with ctx.case(f"R = {world}, local BatchNorm, two steps, declared {rule}"):
+    with ctx.case(f"R = {world}, local BatchNorm, two steps, momentum 0.5, declared {rule}"):
         _require(ctx, "local")
         sizes = [3] * world
         (x0, g0), (x1, g1) = _shards(ctx, sizes, 0), _shards(ctx, sizes, 1)
         w, b = _params(ctx)
-        run = DataParallelRun(ctx, sync=False, steps=[x0, x1], grads=[g0, g1], weight=w, bias=b)
+        run = DataParallelRun(ctx, sync=False, steps=[x0, x1], grads=[g0, g1], weight=w, bias=b,
+                              momentum=0.5)
         run.call()
         run.compare(0)
         try:
