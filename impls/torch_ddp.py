@@ -60,9 +60,11 @@ def replica_setup(rank: int, world: int, port: int) -> dict:
 
     torch.set_num_threads(1)
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if gpu:
+        torch.cuda.set_device(rank)  # one GPU per rank, as NCCL expects
     dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    return {"device": f"cuda:{rank}" if gpu else "cpu", "gpu": gpu}
+    return {"device": f"cuda:{rank}" if gpu else "cpu", "gpu": gpu, "rank": rank}
 
 
 def _module(job, device):
@@ -88,7 +90,7 @@ def replica_run(state: dict, job: dict) -> dict:
 
     device = state["device"]
     module = _module(job, device)
-    ddp = DistributedDataParallel(module, device_ids=[device] if state["gpu"] else None)
+    ddp = DistributedDataParallel(module, device_ids=[state["rank"]] if state["gpu"] else None)
     before: dict = {}
 
     def record_then_allreduce(process_group, bucket):

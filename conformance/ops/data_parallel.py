@@ -16,7 +16,7 @@ from __future__ import annotations
 import normspec.spec as spec
 import numpy as np
 
-from ..assertions import CheckFailure
+from ..assertions import CheckFailure, assert_conforms
 from ..tolerances import (
     bound,
     centred_output_scale,
@@ -165,6 +165,25 @@ class DataParallelRun:
         return exp, groups, ggroups
 
     # ------------------------------------------------------------ comparisons
+    def stats_follow(self, t, rule) -> bool:
+        """Whether every replica's running statistics after step t meet the oracle under
+        buffer `rule`, by the same bounds as `compare` (nothing is recorded)."""
+        exp, groups, _ = self.expected(t, rule)
+        for r in range(self.world):
+            grp = groups[r]
+            axes, _ = _layout(grp)
+            n = grp.size // grp.shape[1]
+            scales = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], grp, n, self.a, axes)
+            for f, sc in zip(("running_mean", "running_var"), scales, strict=True):
+                got = getattr(self.result, f)[t][r]
+                try:
+                    assert_conforms(expected=exp[f][r], actual=got, dtype=got.dtype, scale=sc,
+                                    bound=bound("running_stat", got.dtype, n),
+                                    quantity=f"batch_norm.dp.{f}", call=self.code)
+                except CheckFailure:
+                    return False
+        return True
+
     def compare(self, t, fields=FIELDS, rule="per_replica"):
         """Every field of step t against the oracle, replica by replica."""
         ctx, res = self.ctx, self.result
