@@ -35,6 +35,8 @@ import numpy as np
 OPS = ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm", "softcap")
 #: The dtypes arrays cross the boundary in, in the order runs and reports list them.
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+#: Optional methods beyond OPS, each offered where its capability says so.
+OPTIONAL_METHODS = ("data_parallel_batch_norm",)
 #: BatchNorm under data parallelism: "local" (each replica normalizes its own shard,
 #: only the gradients are all-reduced) and "sync" (cross-replica statistics).
 DATA_PARALLEL_MODES = ("local", "sync")

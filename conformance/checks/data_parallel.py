@@ -107,7 +107,8 @@ def local_per_shard(ctx):
 
 
 @check("DP1.e4_split", title="E4 over two replicas ([0, 2] and [10, 12]): local BatchNorm "
-       "is the oracle per shard and not the global batch (outputs, dL/dx, running statistics)",
+       "is the oracle per shard and not the global batch (outputs, dL/dx, running "
+       "statistics); cross-replica BatchNorm on the same shards is the global batch",
        ops=("batch_norm",), needs=("data_parallel",), dtypes=DP_DTYPES)
 def e4_split(ctx):
     with ctx.case("E4, eps = 1e-5, gamma 1.5, beta 0.25, momentum 0.1, R = 2"):
@@ -138,6 +139,13 @@ def e4_split(ctx):
         ctx.differs(first=rm, second=rms[0], dtype=res.running_mean[0][0].dtype, scale=1.0,
                     at_least=2.0, what="replica 0's and the global batch's running mean",
                     call=f"{run.code}; result.running_mean[0][0]")
+    with ctx.case("E4 with cross-replica BatchNorm: the global batch, R = 2"):
+        _require(ctx, "sync")
+        run = DataParallelRun(ctx, sync=True, steps=[[E4_FIRST, E4_SECOND]],
+                              grads=[[E4_GRAD_FIRST, E4_GRAD_SECOND]],
+                              weight=Literal(values=(1.5,)), bias=Literal(values=(0.25,)))
+        _sync_call(ctx, run)
+        run.compare(0)
 
 
 def _sync_call(ctx, run):
