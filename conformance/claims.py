@@ -118,6 +118,21 @@ _CLAIMS = (
           "in its batch, batch statistics are out: LayerNorm, RMSNorm, QK-norm and eval "
           "BatchNorm give a sample the same output in any batch; training BatchNorm does "
           "not."),
+    Claim("DP1", "Local BatchNorm under data parallelism",
+          "Beyond the document (B7/E4 at scale): each of R replicas normalizes its own shard, "
+          "so local BatchNorm is the oracle on each shard (outputs, dL/dx, gradients before "
+          "and after the gradient all-reduce), and differs from the global batch.",
+          example="E4 over 2 replicas, [0, 2] and [10, 12]: outputs [-1, 1] on each, running "
+                  "means 0.1 and 1.1 (the global batch gives 0.6)"),
+    Claim("DP2", "Cross-replica (sync) BatchNorm",
+          "Beyond the document: statistics reduced over the global batch with a collective "
+          "make sync BatchNorm the oracle on the concatenated shards: outputs, gradients, "
+          "running mean and the unbiased running variance from the global count, for shards "
+          "of any size; B3 applies to the global count."),
+    Claim("DP3", "Buffers between data-parallel steps",
+          "Beyond the document: the running statistics follow the framework's declared rule "
+          "(each replica keeps its own, or replica 0's are broadcast at every forward, as "
+          "DistributedDataParallel does by default)."),
     Claim("protocol", "The backend protocol", "Outputs have the input's shape and dtype, "
           "inputs are never modified, and the conventions a backend declares are what it "
           "does."),

@@ -70,9 +70,11 @@ def cmd_backends(args) -> int:
             print(f"  no-grad mode: {caps.get('no_grad_mode')}, momentum=None: "
                   f"{caps.get('cumulative_momentum')}, track_running_stats=False: "
                   f"{caps.get('untracked_stats')}")
+            print(f"  data parallel: {', '.join(caps.get('data_parallel', [])) or '-'}")
             print("  conventions (verified):")
             for key in ("running_var_estimator", "eps_zero", "parameter_dtype",
-                        "single_value_batch"):
+                        "single_value_batch", "data_parallel_buffers",
+                        "sync_batch_norm_refused"):
                 print(f"    {key}: {conv.get(key)}")
             print("  conventions (declared, not verified):")
             for key in ("default_eps", "native_momentum", "half_compute_dtype",
@@ -144,6 +146,27 @@ def _seconds(text: str) -> float:
     if not (v > 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0")
     return v
+
+
+def _shard(text: str) -> tuple[int, int]:
+    k, sep, n = text.partition("/")
+    try:
+        k_i, n_i = int(k), int(n)
+    except ValueError:
+        k_i = n_i = 0
+    if not sep or not 1 <= k_i <= n_i:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shard K/N with 1 <= K <= N "
+                                         "(e.g. 2/3)")
+    return k_i, n_i
+
+
+def _replicas(text: str) -> int:
+    from .checks.data_parallel import parse_replicas
+
+    try:
+        return parse_replicas(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _label(text: str) -> str:
@@ -223,6 +246,12 @@ def cmd_run(args) -> int:
         runner.select_checks(args.check or None)
     except ValueError as exc:
         return _refuse(str(exc))
+    from .checks.data_parallel import REPLICAS_ENV, replicas
+
+    try:
+        replicas()
+    except ValueError as exc:
+        return _refuse(f"${REPLICAS_ENV}: {exc}")
     known = registry.discover()
     for name in args.backend or ():
         if ":" not in name and name not in known:
@@ -251,12 +280,16 @@ def cmd_run(args) -> int:
 
     verbose = not args.quiet
     previous = _previous_timing()
+    if args.replicas is not None:  # read by the DP checks in the backend processes
+        from .checks.data_parallel import REPLICAS_ENV
+
+        os.environ[REPLICAS_ENV] = str(args.replicas)
     with _Signals():
         try:
             doc = runner.run(args.backend or None, checks=args.check or None,
                              dtypes=args.dtype or None, seed=args.seed, examples=args.examples,
                              timeout=args.timeout, label=label, shrink=args.shrink, jobs=args.jobs,
-                             record_unavailable=args.record_unavailable,
+                             shard=args.shard, record_unavailable=args.record_unavailable,
                              progress=(lambda m: print(m, flush=True)) if verbose else None,
                              on_start=on_start, on_record=lambda r: stream[0].record(r),
                              on_done=lambda u: stream[0].done(u), previous=previous)
@@ -442,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", action="append", metavar="NAME|module:factory",
                    help="backend to check (repeatable); default: every backend found")
     r.add_argument("--check", action="append", metavar="ID",
-                   help="check id or claim id prefix (repeatable), e.g. F2 or B1.layer_norm_shift")
+                   help="check id, claim id or claim family (repeatable), e.g. F2, "
+                        "B1.layer_norm_shift or DP")
     r.add_argument("--dtype", action="append", choices=list(runner.DEFAULT_DTYPES),
                    help="dtype (repeatable); default: all four")
     r.add_argument("--json", default=None, metavar="PATH",
@@ -462,6 +496,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--label", type=_label, default=None,
                    help="run label in the results and file name (default: tox env or host name)")
     r.add_argument("--shrink", action="store_true", help="let Hypothesis shrink failures")
+    r.add_argument("--shard", type=_shard, default=None, metavar="K/N",
+                   help="run shard K of N of the (backend, check, dtype) units, so N CI jobs or "
+                        "machines share a suite; `normspec report` merges the shards' files")
+    r.add_argument("--replicas", type=_replicas, default=None, metavar="R",
+                   help="replicas of the data-parallel checks (DP; 2 to 64; default "
+                        "$NORMSPEC_DP_REPLICAS or 2); each replica is a process or a device")
     r.add_argument("--record-unavailable", action="store_true",
                    help="record a --backend that cannot be loaded as an error and run the "
                         "others (default: refuse the run, exit 2)")

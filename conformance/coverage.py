@@ -5,7 +5,7 @@ that always multiplies by 1/sqrt(d_k) passes every check that only ever asks for
 1/sqrt(d_k)). So every parameter of the protocol must be varied by at least one check.
 
 The parameters come from the code, not from a list: the signatures of `Backend`'s op
-methods (impls/protocol.py, OPS), and of every public `BatchNormLayer` method that takes
+methods (impls/protocol.py, OPS and OPTIONAL_METHODS), and of every public `BatchNormLayer` method that takes
 arguments (`forward`, `forward_no_grad`), so a new parameter shows up here by itself.
 
 How it is measured: every check (`all_checks()`) is run once through `runner.run_check` on
@@ -65,7 +65,14 @@ from types import FrameType
 
 import numpy as np
 from normspec.impls import registry
-from normspec.impls.protocol import DTYPES, OPS, Backend, BatchNormLayer, Capabilities
+from normspec.impls.protocol import (
+    DTYPES,
+    OPS,
+    OPTIONAL_METHODS,
+    Backend,
+    BatchNormLayer,
+    Capabilities,
+)
 
 from . import runner
 from .checks import Check, all_checks
@@ -89,11 +96,11 @@ NEUTRAL = {"weight": 1.0, "q_weight": 1.0, "k_weight": 1.0, "bias": 0.0}
 # ---------------------------------------------------------------- the protocol's parameters
 def protocol_parameters(backend_cls: type = Backend,
                         layer_cls: type = BatchNormLayer) -> dict[str, tuple[inspect.Parameter, ...]]:
-    """op -> its parameters (self excluded), read from the signatures: every op in OPS on
-    `backend_cls`, then every public method of `layer_cls` that takes arguments, as
-    "BatchNormLayer.<method>"."""
+    """op -> its parameters (self excluded), read from the signatures: every op in OPS
+    and every optional method (OPTIONAL_METHODS) on `backend_cls`, then every public
+    method of `layer_cls` that takes arguments, as "BatchNormLayer.<method>"."""
     out: dict[str, tuple[inspect.Parameter, ...]] = {}
-    for op in OPS:
+    for op in OPS + OPTIONAL_METHODS:
         out[op] = _params(getattr(backend_cls, op))
     for name, member in vars(layer_cls).items():
         if name.startswith("_") or not inspect.isfunction(member):
@@ -129,6 +136,12 @@ def value_of(op: str, name: str, value, arguments: dict) -> str:
             return "None"
         digest = hashlib.sha1(a.tobytes() + repr(a.shape).encode()).hexdigest()[:10]
         return f"array{tuple(a.shape)}#{digest}"
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (list, tuple, np.ndarray))
+                                                for v in value):
+        # nested shards (data_parallel_batch_norm's steps[t][r]): their sizes and contents
+        sizes = [value_of(op, name, v, arguments) for v in value]
+        return f"[{', '.join(sizes)}]" if len(value) <= 4 else \
+            f"{len(value)}x#{hashlib.sha1(repr(sizes).encode()).hexdigest()[:10]}"
     if isinstance(value, (list, tuple)):
         return repr(tuple(value))
     if isinstance(value, (float, np.floating)):
@@ -261,6 +274,8 @@ def _claims_everything(caps: Capabilities) -> list[str]:
                if set(want) - set(getattr(caps, key))]
     missing += [flag for flag in ("no_grad_mode", "cumulative_momentum", "untracked_stats")
                 if not getattr(caps, flag, False)]
+    missing += [f"data_parallel {mode}" for mode in ("local", "sync")
+                if mode not in getattr(caps, "data_parallel", ())]
     return missing
 
 

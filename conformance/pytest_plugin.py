@@ -11,6 +11,12 @@ xfail with its reason; unsupported is a skip that says which capability is missi
 Each backend runs in a process of its own, as in `normspec run` (worker.py): a backend
 that hangs past --normspec-timeout or crashes fails that item alone, and nothing of it
 is left running when the session ends.
+
+Under pytest-xdist (`pytest -n 2 ...`) every xdist worker collects the same items and
+starts its own backend processes for the items it runs; nothing is shared between items
+but what travels with each test report (the records the end-of-session summary of stale
+deviation entries needs, in `user_properties`), so the summary is the same with or
+without workers.
 """
 
 from __future__ import annotations
@@ -21,7 +27,11 @@ from . import deviations, runner
 from .worker import Worker
 
 _WORKERS: dict[str, Worker] = {}
-_SEEN: dict[str, tuple[list, list]] = {}  # per backend: (deviations, records) for the end
+#: per backend: (deviations, records) for the end-of-session summary, gathered from the
+#: test reports (in the xdist controller too, where no item runs)
+_SEEN: dict[str, tuple[list, list]] = {}
+_PROPERTY = "normspec_records"
+_KEPT = ("backend", "check", "claim", "op", "dtype", "quantity", "status", "reason")
 
 
 def pytest_addoption(parser):
@@ -53,8 +63,9 @@ class NormspecItem(pytest.Item):
         self.records = self.worker.execute(self.check.id, self.dtype, seed=opt("normspec_seed"),
                                            examples=opt("normspec_examples"), shrink=False,
                                            timeout=opt("normspec_timeout"))
-        _SEEN.setdefault(self.worker.requested, (self.worker.deviations, []))[1].extend(
-            self.records)
+        self.user_properties.append((_PROPERTY, {
+            "backend": self.worker.requested, "deviations": self.worker.deviations,
+            "records": [{k: r.get(k, "") for k in _KEPT} for r in self.records]}))
         bad = [r for r in self.records if r["status"] in ("fail", "error")]
         if bad:
             raise NormspecFailure("\n\n".join(
@@ -109,6 +120,13 @@ def pytest_collection_modifyitems(session, config, items):
                 items.append(NormspecItem.from_parent(
                     session, name=f"{worker.entry['name']}::{check.id}[{dtype}]", worker=worker,
                     check=check, dtype=dtype))
+
+
+def pytest_runtest_logreport(report):
+    for name, value in getattr(report, "user_properties", ()):
+        if name == _PROPERTY and report.when == "call":
+            _SEEN.setdefault(value["backend"], (value["deviations"], []))[1].extend(
+                value["records"])
 
 
 def pytest_terminal_summary(terminalreporter):

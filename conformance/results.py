@@ -17,7 +17,8 @@ Document (schema "normspec-results", version 2; version 1 files are read too):
      "runs": [{"run": label, "created": ISO time, "seed": int, "host", "cpu", "python",
                "versions": {package: version}, "argv": [...], "duration_s": float,
                "complete": bool, "stopped_by": "" | "SIGINT" | "SIGTERM" | "killed",
-               "planned": int, "not_reached": [[backend, check, dtype], ...]}],
+               "planned": int, "not_reached": [[backend, check, dtype], ...],
+               "shard": "" | "K/N", "replicas": int}],
      "backends": [{"name", "source", "version", "available", "error",
                    "capabilities", "conventions", "deviations", "run"}],
      "tolerances": [{"quantity", "base_ulps", "growth", "reason"}],
@@ -79,7 +80,7 @@ BACKEND_DEFAULTS: dict[str, Any] = {"source": "", "version": "", "error": None, 
                     "conventions": {}, "deviations": [], "stale_deviations": []}
 RUN_DEFAULTS: dict[str, Any] = {"created": "", "seed": None, "host": "", "cpu": "", "platform": "",
                 "python": "", "versions": {}, "argv": [], "complete": True, "stopped_by": "",
-                "not_reached": []}
+                "not_reached": [], "shard": "", "replicas": None}
 
 
 class ResultsError(ValueError):
@@ -259,13 +260,37 @@ def read(path) -> dict:
 
 
 def merge(docs: list[dict]) -> dict:
-    """One document from many: runs, backends, records and benchmarks concatenated."""
+    """One document from many: runs, backends, records and benchmarks concatenated.
+
+    A backend listed by several documents under the same run label (the shards of one
+    sharded run, `normspec run --shard K/N`) is listed once, and its stale deviation
+    entries are found again over all its records: an entry one shard did not use may
+    explain a record of another."""
     out = new_document()
     for doc in docs:
         for key in ("runs", "backends", "records", "benchmarks"):
             out[key].extend(doc.get(key, []))
         if not out["tolerances"]:
             out["tolerances"] = doc.get("tolerances", [])
+    out["backends"] = _fold_backends(out["backends"], out["records"])
+    return out
+
+
+def _fold_backends(backends: list[dict], records: list[dict]) -> list[dict]:
+    from .deviations import stale
+
+    groups: dict[tuple, list[dict]] = {}
+    for b in backends:
+        groups.setdefault((b.get("name"), b.get("run")), []).append(b)
+    out = []
+    for (name, run), entries in groups.items():
+        if len(entries) == 1:
+            out.append(entries[0])
+            continue
+        first = dict(next((e for e in entries if e.get("available")), entries[0]))
+        mine = [r for r in records if r.get("backend") == name and r.get("run", run) == run]
+        first["stale_deviations"] = stale(first.get("deviations") or [], mine)
+        out.append(first)
     return out
 
 

@@ -32,15 +32,17 @@ VERSIONED_PACKAGES = ("normspec", "numpy", "ml_dtypes", "hypothesis", "torch", "
 
 
 def select_checks(patterns: Iterable[str] | None) -> list[Check]:
-    """Checks whose id equals a pattern or starts with it followed by a dot, or whose
-    claim names it ("F2" selects F2.values, F2.grad and F2/F3.half_overflow)."""
+    """Checks whose id equals a pattern or starts with it followed by a dot, whose claim
+    names it ("F2" selects F2.values, F2.grad and F2/F3.half_overflow), or whose claim is
+    in the family the pattern names ("DP" selects DP1, DP2, DP3...)."""
     checks = all_checks()
     if not patterns:
         return checks
     chosen, patterns = [], list(patterns)
     for p in patterns:
         hits = [c for c in checks if c.id == p or c.id.startswith(p + ".") or c.claim == p
-                or p in c.claim.split("/")]
+                or p in c.claim.split("/")
+                or (p.isalpha() and c.claim[len(p):].isdigit() and c.claim.startswith(p))]
         if not hits:
             raise ValueError(f"unknown check {p!r}; known: {', '.join(c.id for c in checks)}")
         chosen += [c for c in hits if c not in chosen]
@@ -94,6 +96,21 @@ def plan(backends: list[str], checks: list[Check], dtypes: list[str]) -> list[tu
     some dtypes plans only those."""
     return [(b, c.id, d) for b in backends for c in checks for d in dtypes
             if c.dtypes is None or d in c.dtypes]
+
+
+def shard_units(units: list[tuple], shard: tuple[int, int] | None) -> list[tuple]:
+    """Shard K of N of a run's units: every N-th unit of the sorted unit list, starting at
+    the K-th (round robin, so each check's dtypes and each backend's checks spread over
+    the shards). Deterministic for the same backends, checks and dtypes, whatever machine
+    computes it; the N shards together are the unsharded run, each unit in one of them.
+    Kept in plan order."""
+    if shard is None:
+        return units
+    k, n = shard
+    if not 1 <= k <= n:
+        raise ValueError(f"shard {k}/{n}: K must be from 1 to N")
+    chosen = set(sorted(units)[k - 1::n])
+    return [u for u in units if u in chosen]
 
 
 def check_dtypes(dtypes: Iterable[str]) -> list[str]:
@@ -177,7 +194,8 @@ class _Run:
 def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
         dtypes: list[str] | None = None, seed: int = 0, examples: int = 20,
         timeout: float = 120.0, label: str | None = None, shrink: bool = False, jobs: int = 1,
-        record_unavailable: bool = False, progress: Callable[[str], None] | None = None,
+        shard: tuple[int, int] | None = None, record_unavailable: bool = False,
+        progress: Callable[[str], None] | None = None,
         on_start: Callable[[dict, list], object] | None = None,
         on_record: Callable[[dict], None] | None = None,
         on_done: Callable[[tuple], None] | None = None,
@@ -187,11 +205,15 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     `backends` None means every backend found; those whose framework is missing are
     listed as unavailable. A backend asked for by name that cannot be loaded raises
     BackendNotUsable before any check runs, unless `record_unavailable`, which records it
-    as an error. `on_start(doc, plan)` is called once the backends are loaded and before
-    the first check; `on_record(record)` with each record as it arrives, `on_done(unit)`
-    when a unit finishes. `previous` (backend -> seconds of checks, from an earlier run)
-    starts the slowest backend first. Ctrl-C or `Stopped` end the run early: the document returned
-    then has `complete` False, `stopped_by`, and the units `not_reached`.
+    as an error. `shard` (K, N) runs shard K of N of the planned units (`shard_units`);
+    its records merge with the other shards' into those of the unsharded run
+    (results.merge), and it leaves stale-deviation findings to that merge, since an entry
+    may explain records of another shard. `on_start(doc, plan)` is called once the
+    backends are loaded and before the first check; `on_record(record)` with each record
+    as it arrives, `on_done(unit)` when a unit finishes. `previous` (backend -> seconds of
+    checks, from an earlier run) starts the slowest backend first. Ctrl-C or `Stopped` end
+    the run early: the document returned then has `complete` False, `stopped_by`, and the
+    units `not_reached`.
     """
     say = progress or (lambda _msg: None)
     label = label or os.environ.get("TOX_ENV_NAME") or platform.node() or "local"
@@ -204,6 +226,10 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     names = list(dict.fromkeys(backends or ())) if explicit else registry.default_backends()
     doc = results.new_document()
     doc["runs"].append(run_info(seed, label))
+    doc["runs"][0]["shard"] = f"{shard[0]}/{shard[1]}" if shard else ""
+    from .checks.data_parallel import replicas
+
+    doc["runs"][0]["replicas"] = replicas()
     doc["tolerances"] = tolerances.table_rows()
     state = _Run(label=label, seed=seed, examples=examples, timeout=timeout, shrink=shrink,
                  say=say, on_record=on_record)
@@ -228,7 +254,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
             doc["backends"].append(w.entry)
             if w in unusable:
                 say(f"{w.requested}: unavailable: {w.error}")
-                if explicit:
+                if explicit and (shard is None or shard[0] == 1):  # one shard records it
                     rec = Record(backend=w.entry["name"], check="load", claim="-", op="-",
                                  dtype="-", case="load", status="error", seed=seed,
                                  message=f"backend {w.requested!r} could not be used: {w.error}")
@@ -237,7 +263,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
         # sooner when the long job does not start last
         usable = sorted((w for w in workers if w not in unusable),
                         key=lambda w: -float((previous or {}).get(w.entry["name"], 0.0)))
-        units = plan([w.entry["name"] for w in usable], selected, dtypes)
+        units = shard_units(plan([w.entry["name"] for w in usable], selected, dtypes), shard)
         if on_start is not None:
             on_start(doc, units)
         if on_done is not None:
@@ -258,7 +284,8 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
         doc["records"].extend(state.records.get(unit, []))
     for entry in doc["backends"]:
         mine = [r for r in doc["records"] if r["backend"] == entry["name"]]
-        entry["stale_deviations"] = deviations.stale(entry.get("deviations", []), mine)
+        entry["stale_deviations"] = [] if shard else deviations.stale(entry.get("deviations", []),
+                                                                       mine)
     run_doc = doc["runs"][0]
     not_reached = [list(u) for u in units if u not in state.done]
     run_doc["timing"] = state.timing
@@ -276,4 +303,4 @@ def _count(recs):
 
 
 __all__ = ["DEFAULT_DTYPES", "BackendNotUsable", "Stopped", "backend_entry", "plan", "run",
-           "run_check", "select_checks"]
+           "run_check", "select_checks", "shard_units"]

@@ -11,6 +11,9 @@ Translations, and nothing else:
   running average) and reports no running statistics.
 Flax's own defaults stay as they are (use_fast_variance=True among them): what they do
 to the numbers is what normspec reports.
+
+Data parallelism (DP): BatchNorm under shard_map over R host devices, in a process of
+its own that sets XLA's device count before JAX starts (impls/flax_shard_map.py).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class FlaxBackend(Backend):
     name = "jax"
     capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
                                 gradients={"layer_norm", "rms_norm", "batch_norm"},
-                                untracked_stats=True)
+                                untracked_stats=True, data_parallel={"local", "sync"})
     conventions = Conventions(
         default_eps={"layer_norm": 1e-6, "rms_norm": 1e-6, "batch_norm": 1e-5},
         native_momentum="momentum=0.99 weights the old running value (1 - PyTorch's)",
@@ -68,7 +71,12 @@ class FlaxBackend(Backend):
         momentum_held_as="old",
         half_compute_dtype="float32 (statistics promoted to at least float32)",
         single_value_batch="accepts",
+        data_parallel_buffers="per_replica",
         reasons={
+            "data_parallel_buffers": "a shard_map/pmap training loop holds BatchNorm's "
+                                     "statistics per replica and nothing synchronizes them "
+                                     "unless the loop does (Flax's examples average them "
+                                     "only before evaluation)",
             "running_var_estimator": "Flax NNX BatchNorm stores the biased batch variance "
                                      "(sum (x - mu)^2 / m) in its running variance; F4's "
                                      "update uses the unbiased m - 1 estimate.",
@@ -82,6 +90,18 @@ class FlaxBackend(Backend):
         self.flax, self.jax, self.jnp, self.nnx = _import()
         self.version = f"flax {self.flax.__version__}, jax {self.jax.__version__}"
         self._cache = {}
+        self._replicas = None
+
+    def data_parallel_batch_norm(self, steps, *, sync, eps, momentum, dtype, weight, bias,
+                                 grad_outputs=None):
+        """Flax BatchNorm under shard_map over len(steps[0]) host devices, momentum
+        translated to Flax's 1 - a; see impls/flax_shard_map.py."""
+        from .flax_shard_map import JaxReplicas
+
+        if self._replicas is None:
+            self._replicas = JaxReplicas()
+        return self._replicas.run(steps, sync=sync, eps=eps, momentum=momentum, dtype=dtype,
+                                  weight=weight, bias=bias, grad_outputs=grad_outputs)
 
     def _rngs(self):
         return self.nnx.Rngs(0)

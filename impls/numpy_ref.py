@@ -3,8 +3,9 @@
 It computes in the input's own precision (float16 and bfloat16 in float32, cast back
 once), with a two-pass variance, the way a careful hand-written kernel would. It is the
 baseline the project's deliberately broken backends are derived from, and a worked
-example of the protocol for third parties. It does not import normspec.spec: a backend
-that consulted the oracle would be checking itself.
+example of the protocol for third parties (data-parallel BatchNorm in numpy_dp.py). It
+does not import normspec.spec: a backend that consulted the oracle would be checking
+itself.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._running import RunningStats, RunningStatsLayer
+from .numpy_dp import NumpyDataParallel
 from .protocol import DTYPES, OPS, Backend, Capabilities, Conventions, Result, compute_dtype
 
 
@@ -43,15 +45,17 @@ def _axes(x, normalized_shape):
     return tuple(range(x.ndim - n, x.ndim))
 
 
-class NumpyBackend(Backend):
+class NumpyBackend(NumpyDataParallel, Backend):
     name = "numpy"
     version = np.__version__
     capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
                                 gradients={"layer_norm", "rms_norm", "batch_norm"},
-                                cumulative_momentum=True, untracked_stats=True)
+                                cumulative_momentum=True, untracked_stats=True,
+                                data_parallel={"local", "sync"})
     conventions = Conventions(
         default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6, "batch_norm": 1e-5},
         native_momentum="weight of the new batch (PyTorch's meaning)",
+        data_parallel_buffers="per_replica",
     )
 
     # --- statistics, overridable one at a time by the test-suite's broken variants ---

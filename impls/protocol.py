@@ -2,7 +2,10 @@
 
 A backend is an object with four attributes (`name`, `version`, `capabilities`,
 `conventions`) and up to five methods (`layer_norm`, `rms_norm`, `qk_norm_scores`,
-`batch_norm`, `softcap`); `capabilities.ops` says which it has. Arrays cross the
+`batch_norm`, `softcap`); `capabilities.ops` says which it has. One more method is
+optional: `data_parallel_batch_norm` (claim family DP, BatchNorm trained on R replicas
+with the framework's own collectives), offered where `capabilities.data_parallel`
+names its modes. Arrays cross the
 boundary as NumPy arrays in the dtype under test (bfloat16 as `ml_dtypes.bfloat16`);
 devices and framework dtypes are the adapter's business. Subclass `Backend` for the
 defaults, or write the attributes yourself.
@@ -32,6 +35,13 @@ import numpy as np
 OPS = ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm", "softcap")
 #: The dtypes arrays cross the boundary in, in the order runs and reports list them.
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+#: Optional methods beyond OPS, each offered where its capability says so.
+OPTIONAL_METHODS = ("data_parallel_batch_norm",)
+#: BatchNorm under data parallelism: "local" (each replica normalizes its own shard,
+#: only the gradients are all-reduced) and "sync" (cross-replica statistics).
+DATA_PARALLEL_MODES = ("local", "sync")
+#: What replicas do with BatchNorm's running statistics (buffers) between forwards.
+DATA_PARALLEL_BUFFERS = ("per_replica", "broadcast_rank0")
 #: The half-precision ones: a conforming kernel computes them in float32.
 HALF_DTYPES = ("float16", "bfloat16")
 
@@ -50,6 +60,26 @@ def compute_dtype(dtype) -> np.dtype:
 
 class BackendUnavailable(RuntimeError):
     """Raised by a factory whose framework cannot be imported or used here."""
+
+
+class DataParallelResult(NamedTuple):
+    """What `data_parallel_batch_norm` returns. Every field is indexed [step][replica]
+    (None where no grad_outputs were given, for the gradient fields).
+
+    replica_grad_weight / replica_grad_bias: each replica's dL/dgamma, dL/dbeta before
+    the gradient all-reduce (from its own shard's forward and backward); grad_weight /
+    grad_bias: what each replica holds after it, the mean over replicas
+    (DistributedDataParallel's average). running_mean / running_var: each replica's
+    buffers after the step."""
+
+    output: list
+    grad_input: list | None
+    replica_grad_weight: list | None
+    replica_grad_bias: list | None
+    grad_weight: list | None
+    grad_bias: list | None
+    running_mean: list
+    running_var: list
 
 
 class Result(NamedTuple):
@@ -90,6 +120,9 @@ class Capabilities:
     no_grad_mode: BatchNorm has a forward under the framework's no-grad switch (B6).
     cumulative_momentum: BatchNorm accepts momentum=None. untracked_stats: BatchNorm
     accepts track_running_stats=False.
+    data_parallel: modes of `data_parallel_batch_norm` it offers (subset of
+    DATA_PARALLEL_MODES); empty: no data-parallel BatchNorm (the DP checks are
+    unsupported).
     Sets may be given as any iterable of names; unknown names raise at once.
     """
 
@@ -103,9 +136,12 @@ class Capabilities:
     untracked_stats: bool = False
     max_rows: int | None = None
     max_rows_reason: str = ""
+    data_parallel: frozenset[str] = frozenset()
 
     def __post_init__(self):
         fix = partial(object.__setattr__, self)
+        fix("data_parallel", _names(self.data_parallel, DATA_PARALLEL_MODES,
+                                    "capabilities.data_parallel"))
         fix("ops", _names(self.ops, OPS, "capabilities.ops"))
         fix("dtypes", _names(self.dtypes, DTYPES, "capabilities.dtypes"))
         fix("gradients", _names(self.gradients, OPS, "capabilities.gradients"))
@@ -138,6 +174,7 @@ class Capabilities:
             "cumulative_momentum": self.cumulative_momentum,
             "untracked_stats": self.untracked_stats,
             "max_rows": self.max_rows, "max_rows_reason": self.max_rows_reason,
+            "data_parallel": sorted(self.data_parallel),
         }
 
 
@@ -162,6 +199,12 @@ class Conventions:
       batch_invariant: a sample's output is bit for bit the same whatever else is in its
         batch (B9), for every op without batch statistics.
       deterministic: the same call twice gives the same bits.
+      data_parallel_buffers: what data-parallel replicas do with BatchNorm's running
+        statistics (DP3): "per_replica" (each keeps its own and continues from it) or
+        "broadcast_rank0" (at the start of every forward each replica's buffers are
+        replaced by replica 0's: DistributedDataParallel's broadcast_buffers=True).
+      sync_batch_norm_refused: cross-replica BatchNorm raises here (torch's
+        SyncBatchNorm on CPU); a declared refusal turns those records into `refused`.
     Declared, not verified (shown in the report as the backend's word):
       default_eps (per op, a number or a description), native_momentum (in words),
       half_compute_dtype (what float16/bfloat16 inputs are computed in).
@@ -179,6 +222,8 @@ class Conventions:
     single_value_batch: str = "raises"
     batch_invariant: bool = True
     deterministic: bool = True
+    data_parallel_buffers: str = "per_replica"
+    sync_batch_norm_refused: bool = False
     reasons: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -191,6 +236,9 @@ class Conventions:
         if self.momentum_held_as not in ("new", "old"):
             raise ValueError("conventions.momentum_held_as must be 'new' or 'old', got "
                              f"{self.momentum_held_as!r}")
+        if self.data_parallel_buffers not in DATA_PARALLEL_BUFFERS:
+            raise ValueError(f"conventions.data_parallel_buffers must be one of "
+                             f"{DATA_PARALLEL_BUFFERS}, got {self.data_parallel_buffers!r}")
         if self.parameter_dtype not in (None, *DTYPES):
             raise ValueError(f"conventions.parameter_dtype must be None or one of {DTYPES}, "
                              f"got {self.parameter_dtype!r}")
@@ -204,6 +252,8 @@ class Conventions:
             "momentum_held_as": self.momentum_held_as,
             "single_value_batch": self.single_value_batch,
             "batch_invariant": self.batch_invariant, "deterministic": self.deterministic,
+            "data_parallel_buffers": self.data_parallel_buffers,
+            "sync_batch_norm_refused": self.sync_batch_norm_refused,
             "reasons": dict(self.reasons),
         }
 
@@ -309,4 +359,20 @@ class Backend:
                    bias: np.ndarray | None = None) -> BatchNormLayer:
         """A new BatchNorm layer; with affine, weight and bias are the initial gamma and
         beta (ones and zeros when None)."""
+        raise NotImplementedError
+
+    def data_parallel_batch_norm(self, steps, *, sync: bool, eps: float, momentum: float,
+                                 dtype: np.dtype, weight: np.ndarray, bias: np.ndarray,
+                                 grad_outputs=None) -> DataParallelResult:
+        """Optional (DP): train one affine BatchNorm layer (channel axis 1, running
+        statistics tracked from 0 and 1, gamma = weight, beta = bias) replicated over
+        R = len(steps[0]) replicas, with the framework's own data-parallel machinery.
+
+        steps[t][r] is replica r's shard [N_r, C, ...] of training step t (shards may
+        differ along the batch axis; raise NotImplementedError where the framework
+        cannot split unequally); grad_outputs, when given, has the same structure and
+        each step runs its backward and the gradient all-reduce. sync=False: plain
+        BatchNorm on each replica (statistics of its own shard); sync=True:
+        cross-replica statistics over the global batch. Returns a DataParallelResult.
+        """
         raise NotImplementedError

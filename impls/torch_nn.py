@@ -1,9 +1,14 @@
 """`torch`: torch.nn.LayerNorm, torch.nn.RMSNorm and torch.nn.BatchNorm1d/2d/3d (by
 input rank), with autograd for gradients. Conventions already match the spec's
 (momentum weights the new batch, eps inside the sqrt), so nothing is translated but the
-array type."""
+array type.
+
+Data parallelism (DP) runs in replica processes of its own (impls/torch_ddp.py):
+DistributedDataParallel over plain BatchNorm ("local") or SyncBatchNorm ("sync")."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from ._torch_arrays import to_numpy, to_torch, torch_dtype
 from .protocol import (
@@ -48,7 +53,8 @@ class TorchBackend(Backend):
     name = "torch"
     capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
                                 gradients={"layer_norm", "rms_norm", "batch_norm"},
-                                no_grad_mode=True, cumulative_momentum=True, untracked_stats=True)
+                                no_grad_mode=True, cumulative_momentum=True, untracked_stats=True,
+                                data_parallel={"local", "sync"})
     conventions = Conventions(
         default_eps={"layer_norm": 1e-5, "rms_norm": "None: torch.finfo(x.dtype).eps",
                      "batch_norm": 1e-5},
@@ -57,11 +63,34 @@ class TorchBackend(Backend):
         eps_zero={"layer_norm": True, "rms_norm": True, "qk_norm_scores": True,
                   "batch_norm": False},
         half_compute_dtype="float32 (CPU kernels accumulate in float)",
+        data_parallel_buffers="broadcast_rank0",
+        reasons={"data_parallel_buffers": "DistributedDataParallel(broadcast_buffers=True), "
+                                          "its default, broadcasts rank 0's buffers to every "
+                                          "rank at the start of each forward"},
     )
 
     def __init__(self):
         self.torch = _import_torch()
         self.version = self.torch.__version__
+        self._replicas = None
+        if not self.torch.cuda.is_available():
+            reasons = dict(self.conventions.reasons, sync_batch_norm_refused=(
+                "torch.nn.SyncBatchNorm needs GPU modules: DistributedDataParallel refuses a "
+                "CPU one when it is built ('SyncBatchNorm layers only work with GPU modules'), "
+                "and SyncBatchNorm's own forward refuses CPU tensors; this machine has no GPU"))
+            self.conventions = dataclasses.replace(self.conventions, sync_batch_norm_refused=True,
+                                                   reasons=reasons)
+
+    def data_parallel_batch_norm(self, steps, *, sync, eps, momentum, dtype, weight, bias,
+                                 grad_outputs=None):
+        """DistributedDataParallel over BatchNorm (SyncBatchNorm with sync) in
+        len(steps[0]) processes; see impls/torch_ddp.py."""
+        from .torch_ddp import TorchReplicas
+
+        if self._replicas is None:
+            self._replicas = TorchReplicas()
+        return self._replicas.run(steps, sync=sync, eps=eps, momentum=momentum, dtype=dtype,
+                                  weight=weight, bias=bias, grad_outputs=grad_outputs)
 
     def _input(self, x):
         return to_torch(x).requires_grad_(True)

@@ -4,6 +4,7 @@ shows which check catches which."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -667,6 +668,60 @@ OneValueDeclared = _bn_backend(_NoSingleValueErrorLayer, conventions=Conventions
 OneValueDeclaredButRaises = _bn_backend(NumpyBatchNorm, conventions=Conventions(
     single_value_batch="accepts"))
 
+
+
+# ---------------------------------------------------------------- data parallelism (DP)
+class DpLocalUsesGlobalStats(NumpyBackend):
+    """'Local' data-parallel BatchNorm that secretly reduces the statistics across
+    replicas: the global batch where each replica should normalize its own shard."""
+
+    def data_parallel_batch_norm(self, steps, *, sync, **kwargs):
+        return super().data_parallel_batch_norm(steps, sync=True, **kwargs)
+
+
+class DpSumsGradients(NumpyBackend):
+    """The gradient all-reduce sums where DistributedDataParallel averages."""
+
+    def all_reduce_mean(self, values):
+        return np.sum(values, axis=0)
+
+
+class DpSyncAveragesVariances(NumpyBackend):
+    """Sync BatchNorm that averages the replicas' means and variances instead of reducing
+    sums: it misses the spread between the shards' means (and weighs shards equally)."""
+
+    def merge_summaries(self, summaries):
+        n = sum(s[0] for s in summaries)
+        mean = np.mean([s[1] for s in summaries], axis=0)
+        var = np.mean([s[2] / s[0] for s in summaries], axis=0)
+        return n, mean, var * n
+
+
+class DpSyncIgnoresUnequalShards(NumpyBackend):
+    """Sync BatchNorm whose collective assumes every shard has replica 0's size."""
+
+    def all_gather_statistics(self, summaries):
+        n0 = summaries[0][0]
+        return [(n0, mean, m2) for _, mean, m2 in summaries]
+
+
+class DpSyncB3PerReplica(NumpyBackend):
+    """Sync BatchNorm that applies B3 to each replica's count, not the global one."""
+
+    def global_statistics(self, shards, ct):
+        for x in shards:
+            if x.size // x.shape[1] <= 1:
+                raise ValueError("Expected more than 1 value per channel when training, got "
+                                 f"input size {x.shape}")
+        return super().global_statistics(shards, ct)
+
+
+class DpBuffersNotBroadcast(NumpyBackend):
+    """Declares DistributedDataParallel's buffer broadcast from replica 0, but every
+    replica keeps its own running statistics."""
+
+    conventions = dataclasses.replace(NumpyBackend.conventions,
+                                      data_parallel_buffers="broadcast_rank0")
 
 # each broken backend reports under its own name (the class name) in results and reports
 for _cls in list(globals().values()):

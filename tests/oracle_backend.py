@@ -13,6 +13,7 @@ from normspec.impls.protocol import (
     BatchNormLayer,
     Capabilities,
     Conventions,
+    DataParallelResult,
     Result,
 )
 
@@ -26,7 +27,8 @@ class OracleBackend(Backend):
     version = "float64 oracle, rounded once"
     capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
                                 gradients={"layer_norm", "rms_norm", "batch_norm"},
-                                no_grad_mode=True, cumulative_momentum=True, untracked_stats=True)
+                                no_grad_mode=True, cumulative_momentum=True, untracked_stats=True,
+                                data_parallel={"local", "sync"})
     conventions = Conventions(default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6,
                                            "batch_norm": 1e-5})
 
@@ -49,6 +51,40 @@ class OracleBackend(Backend):
 
     def softcap(self, scores, cap):
         return _r(spec.softcap(scores, cap), scores.dtype)
+
+    def data_parallel_batch_norm(self, steps, *, sync, eps, momentum, dtype, weight, bias,
+                                 grad_outputs=None):
+        """spec.local_/sync_batch_norm_train(_vjp) step by step; buffers per replica."""
+        world, c = len(steps[0]), weight.shape[0]
+        w, b = np.asarray(weight, np.float64), np.asarray(bias, np.float64)
+        rms, rvs = [np.zeros(c)] * world, [np.ones(c)] * world
+        out = {f: [] for f in DataParallelResult._fields}
+        for t, shards in enumerate(steps):
+            xs = [np.asarray(x, np.float64) for x in shards]
+            if sync:
+                ys, rm, rv = spec.sync_batch_norm_train(xs, rms[0], rvs[0], w, b, momentum, eps)
+                rms, rvs = [rm] * world, [rv] * world
+            else:
+                ys, rms, rvs = spec.local_batch_norm_train(xs, rms, rvs, w, b, momentum, eps)
+            out["output"].append([_r(y, dtype) for y in ys])
+            out["running_mean"].append([_r(v, dtype) for v in rms])
+            out["running_var"].append([_r(v, dtype) for v in rvs])
+            if grad_outputs is None:
+                continue
+            gs = [np.asarray(g, np.float64) for g in grad_outputs[t]]
+            vjp = spec.sync_batch_norm_train_vjp if sync else spec.local_batch_norm_train_vjp
+            gxs, gw, gb = vjp(xs, gs, w, b, eps, reduction="mean")
+            mine = [vjp(xs, [g if q == r else 0 * g for q, g in enumerate(gs)], w, b, eps)
+                    for r in range(world)]  # replica r's own gradient: its shard's part
+            out["grad_input"].append([_r(g, dtype) for g in gxs])
+            out["replica_grad_weight"].append([_r(m[1], dtype) for m in mine])
+            out["replica_grad_bias"].append([_r(m[2], dtype) for m in mine])
+            out["grad_weight"].append([_r(gw, dtype)] * world)
+            out["grad_bias"].append([_r(gb, dtype)] * world)
+        if grad_outputs is None:
+            for f in DataParallelResult._fields[1:6]:
+                out[f] = None
+        return DataParallelResult(**out)
 
     def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
                    weight=None, bias=None):

@@ -98,3 +98,39 @@ def test_flax_fast_variance_fails_the_large_shift(results_by_backend):
     records = results_by_backend("jax", ["B1.layer_norm_shift"])
     f32 = [r for r in records if r["dtype"] == "float32"]
     assert {"fail"} == {r["status"] for r in f32}
+
+
+def test_torch_data_parallel_local_conforms_and_sync_batch_norm_is_refused_on_cpu(
+        results_by_backend):
+    """DDP over BatchNorm matches the oracle per shard (DP1) and follows its declared
+    buffer broadcast (DP3); SyncBatchNorm refuses CPU tensors, with torch's message."""
+    import torch
+
+    records = [r for r in results_by_backend("torch") if r["claim"].startswith("DP")]
+    sync = [r for r in records if r["claim"] == "DP2" or "cross-replica" in r["case"]]
+    local = [r for r in records if r not in sync]
+    assert local and {"pass"} == {r["status"] for r in local}
+    if torch.cuda.is_available():
+        assert {"pass"} == {r["status"] for r in sync}
+    else:
+        assert sync and {"refused"} == {r["status"] for r in sync}
+        assert all("SyncBatchNorm layers only work with GPU modules" in r["message"] for r in sync)
+
+
+def test_flax_cross_replica_batch_norm_is_the_global_batch_for_equal_shards_only(
+        results_by_backend):
+    """BatchNorm(axis_name=...) under shard_map: every compared quantity conforms but the
+    running variance, which Flax keeps biased (its declared convention), and one value per
+    replica trains (declared). Unequal shards (padded, with BatchNorm's mask) fail: Flax
+    pmeans each replica's masked mean, weighting replicas and not rows (a finding)."""
+    records = results_by_backend("jax", ["DP"])
+    fails = [r for r in records if r["status"] == "fail"]
+    assert {(r["check"], r["case"]) for r in fails} == {
+        ("DP2.sync_global", "R = 2, unequal shards [2, 3], {'eps': 0.001, 'momentum': 0.3}")}
+    assert {r["dtype"] for r in fails} == {"float32", "float64"}
+    for r in records:
+        if r["status"] == "deviation":
+            assert r["reason"].startswith(("declared convention running_var_estimator",
+                                           "declared convention single_value_batch")), r
+        else:
+            assert r["status"] == "fail", r

@@ -73,6 +73,11 @@ CATCHES = {
     "F6.row_counts": (bb.GridStopsAt65535, "float32"),
     "F1/F5.row_counts": (bb.GridStopsAt65535, "float32"),
     "F1/F5.batchnorm_layouts": (bb.BatchNormIgnoresStrides, "float32"),
+    "DP1.local_per_shard": (bb.DpLocalUsesGlobalStats, "float32"),
+    "DP1.e4_split": (bb.DpLocalUsesGlobalStats, "float32"),
+    "DP2.sync_global": (bb.DpSyncAveragesVariances, "float32"),
+    "DP2.global_count": (bb.DpSyncB3PerReplica, "float32"),
+    "DP3.buffers": (bb.DpBuffersNotBroadcast, "float32"),
 }
 
 # the list of defects, each with a check that catches it; and a backend that
@@ -114,6 +119,14 @@ DEFECTS = {
         bb.GradAssumedContiguous, "F2/F3.layouts", "float32"),
     "BatchNorm statistics of the first 65535 samples only": (
         bb.GridStopsAt65535, "F1/F5.row_counts", "float32"),
+    "a data-parallel gradient all-reduce that sums instead of averaging": (
+        bb.DpSumsGradients, "DP1.local_per_shard", "float32"),
+    "a sync BatchNorm that ignores unequal shard sizes": (bb.DpSyncIgnoresUnequalShards,
+                                                          "DP2.sync_global", "float32"),
+    "a sync BatchNorm that averages per-replica variances": (bb.DpSyncAveragesVariances,
+                                                             "DP2.sync_global", "float64"),
+    "a local BatchNorm that reduces statistics across replicas (E4 split)": (
+        bb.DpLocalUsesGlobalStats, "DP1.e4_split", "float64"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}

@@ -58,3 +58,31 @@ def test_a_declared_convention_is_an_xfail_with_its_reason(tmp_path):
                       "--normspec-check", "F4.running_stats", "-rx")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "1 xfailed" in proc.stdout and "running_var_estimator" in proc.stdout
+
+
+def test_the_plugin_runs_under_xdist_workers(tmp_path):
+    """pytest -n 2: each xdist worker starts its own backend processes for its items; the
+    stale-entry summary, gathered from the reports, still reaches the controller."""
+    proc = run_pytest(tmp_path, "-n", "2", "--normspec-backend", "numpy",
+                      "--normspec-backend", "broken_backends:NaiveVariance",
+                      "--normspec-backend", "test_pytest_plugin:StaleUnnamed",
+                      "--normspec-check", "F2.values", "--normspec-check", "B1.layer_norm_shift",
+                      "--normspec-check", "F6.values")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "2 workers" in proc.stdout or "gw1" in proc.stdout, proc.stdout[-3000:]
+    assert "1 failed, 8 passed" in proc.stdout, proc.stdout[-3000:]
+    assert "NaiveVariance::B1.layer_norm_shift[float32]" in proc.stdout
+    assert "stale deviation entry of test_pytest_plugin:StaleUnnamed" in proc.stdout
+
+
+class StaleUnnamed:
+    """numpy with a deviation entry naming no check, that explains nothing: the summary at
+    the end of the session says so (it needs every item's records, from every worker)."""
+
+    def __new__(cls):
+        from normspec.impls.numpy_ref import NumpyBackend
+
+        backend = NumpyBackend()
+        backend.name = "stale_unnamed"
+        backend.deviations = ({"op": "layer_norm", "reason": "never needed"},)
+        return backend

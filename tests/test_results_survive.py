@@ -214,6 +214,8 @@ BAD_RUN = [
     (["--backend", "nosuch_module:make"], "'nosuch_module:make'"),
     (["--backend", "json:loads"], "'json:loads'"), (["--label", ""], "label"),
     (["--json", "/proc/normspec/r.json"], "/proc/normspec/r.json"),
+    (["--shard", "0/3"], "'0/3'"), (["--shard", "4/3"], "'4/3'"), (["--shard", "2"], "'2'"),
+    (["--replicas", "1"], "'1'"),
 ]
 
 

@@ -1,0 +1,68 @@
+"""`normspec run --shard K/N`: N shards of a run, merged, are the unsharded run (every
+record, durations aside), each unit in exactly one shard; the shard is in the run info."""
+
+from __future__ import annotations
+
+import pytest
+from normspec.conformance import results, runner
+
+CHECKS = ["F2.values", "B3", "DP1", "DP3"]
+DTYPES = ["float32", "float64"]
+
+
+def _run(shard=None):
+    return runner.run(["numpy"], checks=CHECKS, dtypes=DTYPES, seed=3, examples=2, label="ci",
+                      shard=shard)
+
+
+def _comparable(records):
+    return sorted((r["backend"], r["check"], r["dtype"], r["case"], r["status"], r["message"],
+                   r["quantity"], str(r["max_ulp"]), r["inputs"], r["repro"])
+                  for r in records)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _run(), [_run((k, 3)) for k in (1, 2, 3)]
+
+
+def test_three_shards_merged_are_the_unsharded_run(runs):
+    whole, shards = runs
+    merged = results.merge(shards)
+    assert _comparable(merged["records"]) == _comparable(whole["records"])
+    assert [b["name"] for b in merged["backends"]] == [b["name"] for b in whole["backends"]]
+    assert all(d["records"] for d in shards)  # every shard has work
+
+
+def test_every_unit_is_in_exactly_one_shard(runs):
+    whole, shards = runs
+    units = [tuple(u) for d in shards for u in {(r["backend"], r["check"], r["dtype"])
+                                               for r in d["records"]}]
+    assert len(units) == len(set(units))
+    assert sorted(units) == sorted({(r["backend"], r["check"], r["dtype"])
+                                    for r in whole["records"]})
+    assert [d["runs"][0]["shard"] for d in shards] == ["1/3", "2/3", "3/3"]
+    assert whole["runs"][0]["shard"] == ""
+    assert sum(d["runs"][0]["planned"] for d in shards) == whole["runs"][0]["planned"]
+
+
+def test_shards_are_the_same_on_every_machine():
+    units = [(b, c, d) for b in ("x", "y") for c in ("F1.values", "F2.values", "DP1.e4_split")
+             for d in DTYPES]
+    first = [runner.shard_units(units, (k, 4)) for k in range(1, 5)]
+    assert first == [runner.shard_units(list(reversed(units)), (k, 4))[::-1] for k in range(1, 5)]
+    assert sorted(u for s in first for u in s) == sorted(units)
+    with pytest.raises(ValueError, match="K must be from 1 to N"):
+        runner.shard_units(units, (5, 4))
+
+
+def test_normspec_report_merges_the_shards_into_one_column(runs, tmp_path, capsys):
+    from normspec.conformance import cli
+    from normspec.reports import html
+
+    _, shards = runs
+    paths = [str(results.write(d, tmp_path / f"shard{k}.json")) for k, d in enumerate(shards, 1)]
+    assert cli.main(["report", *paths, "-o", str(tmp_path / "merged.html")]) == 0
+    assert "3 result file(s)" in capsys.readouterr().out
+    context = html.build_context(results.merge([results.read(p) for p in paths]))
+    assert context["columns"] == ["numpy"] and len(context["verdicts"]) == 1
