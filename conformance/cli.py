@@ -308,7 +308,13 @@ def cmd_run(args) -> int:
         if html_path is not None:
             from normspec.reports import html
 
-            html.write_report([doc], html_path)
+            try:
+                html.write_report([doc], html_path)
+            except Exception as exc:  # noqa: BLE001 - the results are safe; say so, once
+                print(f"normspec run: error: the report could not be written ({type(exc).__name__}: "
+                      f"{exc}; a defect in normspec); the results are in {json_path}",
+                      file=sys.stderr)
+                return 1
     if info["stopped_by"]:
         done = info["planned"] - len(info["not_reached"])
         print(f"normspec run: stopped by {info['stopped_by']} after {done} of {info['planned']} "

@@ -168,7 +168,8 @@ class _Run:
             t0 = time.perf_counter()
             recs = worker.execute(check_id, dtype, seed=self.seed, examples=self.examples,
                                   shrink=self.shrink, timeout=self.timeout,
-                                  on_record=lambda rec, u=unit: self._keep(u, rec))
+                                  on_record=lambda rec, u=unit: self._keep(u, rec),
+                                  stopping=self.stopping)
             if self.stopping.is_set():
                 return  # the unit was cut short by the stop, not by the backend
             spent = time.perf_counter() - t0

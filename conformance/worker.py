@@ -211,7 +211,7 @@ class Worker:
                 return Outcome("done", received)
 
     def execute(self, check_id: str, dtype: str, *, seed: int, examples: int, shrink: bool,
-                timeout: float, on_record=None) -> list[dict]:
+                timeout: float, on_record=None, stopping=None) -> list[dict]:
         """One unit's records, whatever the backend does: a process that is gone is
         started again first; a timeout or a death becomes an error record that says how
         many cases had finished (their records are kept)."""
@@ -232,7 +232,8 @@ class Worker:
             return records
         out = self.run_unit(check_id, dtype, seed=seed, examples=examples, shrink=shrink,
                             timeout=timeout, on_record=keep)
-        if out.how != "done":
+        if out.how != "done" and not (stopping is not None and stopping.is_set()):
+            # (a process the run itself killed on Ctrl-C is not the backend's failure)
             why = (f"timed out after {timeout:g} s (the backend hung or is too slow); its "
                    "process was stopped" if out.how == "timeout" else out.detail)
             keep(Record(**base, case=out.how, status="error",
