@@ -59,7 +59,7 @@ import hashlib
 import inspect
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 
@@ -136,6 +136,10 @@ def value_of(op: str, name: str, value, arguments: dict) -> str:
             return "None"
         digest = hashlib.sha1(a.tobytes() + repr(a.shape).encode()).hexdigest()[:10]
         return f"array{tuple(a.shape)}#{digest}"
+    if isinstance(value, Mapping):
+        # named arrays (encoder_layer's params, final_norm): their names and contents
+        parts = [f"{k}={value_of(op, str(k), v, arguments)}" for k, v in sorted(value.items())]
+        return f"{len(value)} arrays#{hashlib.sha1(repr(parts).encode()).hexdigest()[:10]}"
     if isinstance(value, (list, tuple)) and any(isinstance(v, (list, tuple, np.ndarray))
                                                 for v in value):
         # nested shards (data_parallel_batch_norm's steps[t][r]): their sizes and contents

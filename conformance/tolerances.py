@@ -70,6 +70,19 @@ TABLE: dict[str, Tolerance] = {t.quantity: t for t in (
     Tolerance("running_stat", 1.0, 2.0,
               "Running mean/variance after an update: one reduction over m values and the "
               "momentum blend (two roundings), scale = the magnitudes blended."),
+    Tolerance("block", 1.0, 1.0,
+              "A Transformer encoder layer (F8), output and dL/dx, dropout 0. Every reduction "
+              "stage on the path adds at most (log2 n + 1) u_c relative to the magnitudes it "
+              "sums (n = max(d_model, dim_feedforward), the largest reduction): growth 1 per "
+              "stage, and the stages are counted by the caller (`block_stages`: 10 per layer "
+              "forward - in_proj, q k^T, softmax's sum, p v, out_proj, linear1, linear2 and "
+              "the two statistics of each of two LayerNorms counted as one stage each, two "
+              "per LN -, 2 more for a final LN, twice that for dL/dx). kappa = 1 + sqrt(d_model): "
+              "a LayerNorm divides its input's absolute error by the row's spread, and a "
+              "row's largest |h - mean| is at most sqrt(d_model - 1) spreads, so a relative "
+              "error at the scale of h reaches at most (1 + sqrt(d)) times that at the "
+              "output's scale (gain-1 sublayers: the weights are drawn with spread "
+              "1/sqrt(fan_in)). Scale: the token's largest |reference|."),
     Tolerance("invariance", 2.0, 4.0,
               "Backend against itself on two inputs (B1/B2): both sides carry the output "
               "bound, so base and growth double."),
@@ -92,6 +105,18 @@ def bound(quantity: str, dtype, n: int, kappa=1.0):
     t = TABLE[quantity]
     ratio = unit_roundoff(compute_dtype(dtype)) / unit_roundoff(dtype)
     return t.base_ulps + t.growth * np.asarray(kappa) * (np.log2(max(n, 1)) + 1.0) * ratio
+
+
+def block_stages(num_layers: int, final_norm: bool, *, gradient: bool) -> int:
+    """The reduction stages of an encoder stack (see TABLE["block"]): 10 per layer, 2
+    for a final LayerNorm; the backward pass repeats each, so dL/dx counts twice."""
+    stages = 10 * num_layers + (2 if final_norm else 0)
+    return 2 * stages if gradient else stages
+
+
+def block_kappa(d_model: int) -> float:
+    """1 + sqrt(d_model): the most a LayerNorm amplifies a relative error (TABLE["block"])."""
+    return 1.0 + float(np.sqrt(d_model))
 
 
 def centring_kappa(x64: np.ndarray, axes, eps: float) -> np.ndarray:

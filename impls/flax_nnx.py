@@ -25,7 +25,7 @@ import numpy as np
 
 from .protocol import (
     DTYPES,
-    OPS,
+    NORM_OPS,
     Backend,
     BackendUnavailable,
     BatchNormLayer,
@@ -61,7 +61,7 @@ def _np(a):
 
 class FlaxBackend(Backend):
     name = "jax"
-    capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
+    capabilities = Capabilities(ops=NORM_OPS, dtypes=DTYPES,
                                 gradients={"layer_norm", "rms_norm", "batch_norm"},
                                 untracked_stats=True, data_parallel={"local", "sync"})
     conventions = Conventions(

@@ -14,7 +14,7 @@ import numpy as np
 
 from ._running import RunningStats, RunningStatsLayer
 from .numpy_dp import NumpyDataParallel
-from .protocol import DTYPES, OPS, Backend, Capabilities, Conventions, Result, compute_dtype
+from .protocol import DTYPES, NORM_OPS, Backend, Capabilities, Conventions, Result, compute_dtype
 
 
 def _up(a, ct):
@@ -48,7 +48,7 @@ def _axes(x, normalized_shape):
 class NumpyBackend(NumpyDataParallel, Backend):
     name = "numpy"
     version = np.__version__
-    capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
+    capabilities = Capabilities(ops=NORM_OPS, dtypes=DTYPES,
                                 gradients={"layer_norm", "rms_norm", "batch_norm"},
                                 cumulative_momentum=True, untracked_stats=True,
                                 data_parallel={"local", "sync"})

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._onnx_sessions import Sessions, import_onnxruntime
-from .protocol import OPS, Backend, BatchNormLayer, Capabilities, Conventions, Result
+from .protocol import NORM_OPS, Backend, BatchNormLayer, Capabilities, Conventions, Result
 
 ALL = {"float16", "bfloat16", "float32", "float64"}
 NO_BF16 = {"float16", "float32", "float64"}  # ORT's CPU provider has no bfloat16 Mul,
@@ -37,7 +37,7 @@ NO_BF16 = {"float16", "float32", "float64"}  # ORT's CPU provider has no bfloat1
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     capabilities = Capabilities(
-        ops=OPS, dtypes=NO_BF16, op_dtypes={"layer_norm": ALL},
+        ops=NORM_OPS, dtypes=NO_BF16, op_dtypes={"layer_norm": ALL},
         cumulative_momentum=True, untracked_stats=True)
     conventions = Conventions(
         default_eps={"layer_norm": 1e-5, "rms_norm": 1e-5, "batch_norm": 1e-5},

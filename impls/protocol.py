@@ -1,8 +1,9 @@
 """The backend protocol: the one interface between normspec and a normalization backend.
 
 A backend is an object with four attributes (`name`, `version`, `capabilities`,
-`conventions`) and up to five methods (`layer_norm`, `rms_norm`, `qk_norm_scores`,
-`batch_norm`, `softcap`); `capabilities.ops` says which it has. One more method is
+`conventions`) and up to six methods (`layer_norm`, `rms_norm`, `qk_norm_scores`,
+`batch_norm`, `softcap`, and `encoder_layer`, a whole Transformer encoder layer for the
+F8 wirings); `capabilities.ops` says which it has. One more method is
 optional: `data_parallel_batch_norm` (claim family DP, BatchNorm trained on R replicas
 with the framework's own collectives), offered where `capabilities.data_parallel`
 names its modes. Arrays cross the
@@ -32,7 +33,11 @@ from typing import Any, NamedTuple, Protocol
 import ml_dtypes
 import numpy as np
 
-OPS = ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm", "softcap")
+#: The normalization ops.
+NORM_OPS = ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm", "softcap")
+#: Whole blocks built around a normalization (F8's Post-LN / Pre-LN wirings).
+BLOCK_OPS = ("encoder_layer",)
+OPS = NORM_OPS + BLOCK_OPS
 #: The dtypes arrays cross the boundary in, in the order runs and reports list them.
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 #: Optional methods beyond OPS, each offered where its capability says so.
@@ -351,6 +356,21 @@ class Backend:
 
     def softcap(self, scores, cap) -> np.ndarray:
         """F7: cap * tanh(scores / cap), as the framework's attention code writes it."""
+        raise NotImplementedError
+
+    def encoder_layer(self, x, params, num_heads, *, norm_first: bool, activation: str,
+                      eps: float, num_layers: int = 1, final_norm=None,
+                      grad_output=None) -> Result:
+        """F8: the framework's own Transformer encoder layer (self-attention and a
+        feed-forward network, dropout 0), x [batch, tokens, d_model] with the batch first.
+        norm_first=False is Post-LN (LayerNorm after each residual add), True is Pre-LN
+        (LayerNorm on each sublayer's input). `params` maps torch's state_dict names
+        (normspec.spec.ENCODER_LAYER_PARAMS: in_proj packs q, k, v; a linear computes
+        x W^T + b) to arrays in x's dtype; activation is "relu" or "gelu" (exact erf).
+        num_layers > 1 stacks that many copies of the layer (same weights), and
+        final_norm, when given as {"weight", "bias"}, adds a final LayerNorm on top, as
+        torch.nn.TransformerEncoder(norm=...) does. Returns Result(output) and, with
+        grad_output, grad_input; parameter gradients are not asked for."""
         raise NotImplementedError
 
     def batch_norm(self, num_features: int, *, eps: float, momentum: float | None,

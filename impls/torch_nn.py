@@ -1,5 +1,6 @@
 """`torch`: torch.nn.LayerNorm, torch.nn.RMSNorm and torch.nn.BatchNorm1d/2d/3d (by
-input rank), with autograd for gradients. Conventions already match the spec's
+input rank), torch.nn.TransformerEncoderLayer / TransformerEncoder for the F8 wirings,
+with autograd for gradients. Conventions already match the spec's
 (momentum weights the new batch, eps inside the sqrt), so nothing is translated but the
 array type.
 
@@ -52,7 +53,9 @@ def _grads(module, x_t, y, grad_output, *names):
 class TorchBackend(Backend):
     name = "torch"
     capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
-                                gradients={"layer_norm", "rms_norm", "batch_norm"},
+                                op_dtypes={"encoder_layer": {"float32", "float64"}},
+                                gradients={"layer_norm", "rms_norm", "batch_norm",
+                                           "encoder_layer"},
                                 no_grad_mode=True, cumulative_momentum=True, untracked_stats=True,
                                 data_parallel={"local", "sync"})
     conventions = Conventions(
@@ -152,6 +155,35 @@ class TorchBackend(Backend):
             x_t.grad = w.grad = None
             f(x_t).backward(g)
         return run_backward
+
+    def encoder_layer(self, x, params, num_heads, *, norm_first, activation, eps, num_layers=1,
+                      final_norm=None, grad_output=None):
+        """torch.nn.TransformerEncoderLayer(dropout=0, batch_first=True), stacked by
+        torch.nn.TransformerEncoder (norm=LayerNorm when final_norm is given) for more
+        layers or a final norm; weights loaded by their state_dict names. Training mode,
+        so the forward is the composite one autograd differentiates."""
+        nn = self.torch.nn
+        dt = torch_dtype(x.dtype)
+        d_model, d_ff = x.shape[-1], params["linear1.weight"].shape[0]
+        layer = nn.TransformerEncoderLayer(d_model, num_heads, d_ff, dropout=0.0,
+                                           activation=activation, layer_norm_eps=eps,
+                                           batch_first=True, norm_first=norm_first, dtype=dt)
+        layer.load_state_dict({k: to_torch(v) for k, v in params.items()})
+        module = layer
+        if num_layers > 1 or final_norm is not None:
+            norm = None
+            if final_norm is not None:
+                norm = nn.LayerNorm(d_model, eps=eps, dtype=dt)
+                norm.load_state_dict({k: to_torch(v) for k, v in final_norm.items()})
+            module = nn.TransformerEncoder(layer, num_layers, norm=norm,
+                                           enable_nested_tensor=False)
+        module.train()
+        x_t = to_torch(x).requires_grad_(grad_output is not None)
+        y = module(x_t)
+        if grad_output is None:
+            return Result(to_numpy(y))
+        y.backward(to_torch(grad_output))
+        return Result(to_numpy(y), to_numpy(x_t.grad))
 
     def softcap(self, scores, cap):
         s = to_torch(scores)

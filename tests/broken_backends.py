@@ -912,3 +912,10 @@ class TruncatesHalf(NumpyBackend):
         g = None if grad_output is None else grad_output.astype(np.float32)
         res = super().rms_norm(x.astype(np.float32), normalized_shape, weight, eps, g)
         return self._encode(res, x.dtype)
+
+
+class SwapsLnWiring(OracleBackend):
+    """Wires Pre-LN when asked for Post-LN and Post-LN when asked for Pre-LN (F8)."""
+
+    def encoder_layer(self, x, params, num_heads, *, norm_first, **kw):
+        return super().encoder_layer(x, params, num_heads, norm_first=not norm_first, **kw)

@@ -26,7 +26,8 @@ class OracleBackend(Backend):
     name = "oracle"
     version = "float64 oracle, rounded once"
     capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
-                                gradients={"layer_norm", "rms_norm", "batch_norm"},
+                                gradients={"layer_norm", "rms_norm", "batch_norm",
+                                           "encoder_layer"},
                                 no_grad_mode=True, cumulative_momentum=True, untracked_stats=True,
                                 data_parallel={"local", "sync"})
     conventions = Conventions(default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6,
@@ -51,6 +52,25 @@ class OracleBackend(Backend):
 
     def softcap(self, scores, cap):
         return _r(spec.softcap(scores, cap), scores.dtype)
+
+    def encoder_layer(self, x, params, num_heads, *, norm_first, activation, eps, num_layers=1,
+                      final_norm=None, grad_output=None):
+        """spec.transformer_encoder_layer for one plain layer, spec.transformer_encoder
+        (num_layers copies of the layer, final LN) otherwise; input gradient only."""
+        kw = {"norm_first": norm_first, "activation": activation, "eps": eps}
+        stacked = num_layers > 1 or final_norm is not None
+        if stacked:
+            y = spec.transformer_encoder(x, [params] * num_layers, num_heads, final_norm, **kw)
+        else:
+            y = spec.transformer_encoder_layer(x, params, num_heads, **kw)
+        if grad_output is None:
+            return Result(_r(y, x.dtype))
+        if stacked:
+            gx = spec.transformer_encoder_vjp(x, grad_output, [params] * num_layers, num_heads,
+                                              final_norm, **kw)[0]
+        else:
+            gx = spec.transformer_encoder_layer_vjp(x, grad_output, params, num_heads, **kw)[0]
+        return Result(_r(y, x.dtype), _r(gx, x.dtype))
 
     def data_parallel_batch_norm(self, steps, *, sync, eps, momentum, dtype, weight, bias,
                                  grad_outputs=None):
