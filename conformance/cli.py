@@ -346,12 +346,14 @@ def print_timing(doc: dict, out=None) -> None:
     timing = doc["runs"][0].get("timing") or {}
     if not timing:
         return
-    rows: list[list[Any]] = [["backend", "ready after", "checks", "costliest families"]]
+    rows: list[list[Any]] = [["backend", "ready after", "checks", "processes",
+                              "costliest families"]]
     for name, t in sorted(timing.items(), key=lambda kv: -kv[1]["checks_s"]):
         top = sorted(t["families"].items(), key=lambda kv: -kv[1])[:3]
         rows.append([name, f"{t['load_s']:.1f} s", f"{t['checks_s']:.1f} s",
-                     ", ".join(f"{f} {s:.1f} s" for f, s in top)])
-    print("\nwhere the time went (backends run side by side, --jobs at a time):",
+                     t.get("processes", 1), ", ".join(f"{f} {s:.1f} s" for f, s in top)])
+    print("\nwhere the time went (--jobs processes at a time; checks: seconds summed over "
+          "the backend's processes):",
           file=out or sys.stdout)
     _print_table(rows, out)
 
@@ -498,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=_seconds, default=120.0,
                    help="seconds one check may take on one backend and dtype (default 120)")
     r.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
-                   help="backends checked at once, each in its own process (default: cores)")
+                   help="backend processes working at once (default: cores); a free one "
+                        "shares the backend with the most work left")
     r.add_argument("--label", type=_label, default=None,
                    help="run label in the results and file name (default: tox env or host name)")
     r.add_argument("--shrink", action="store_true", help="let Hypothesis shrink failures")

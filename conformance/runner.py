@@ -1,13 +1,16 @@
 """The run: every selected check, for every backend and dtype.
 
-Each backend runs in a process of its own (worker.py), driven by a thread here; at most
-`jobs` backends work at once. A backend that raises, hangs, dies or misbehaves fails
-that check alone and the run goes on. Every record is handed to `on_record` the moment
-it arrives (the CLI streams it to disk), and an interruption (Ctrl-C, SIGTERM) stops the
-backend processes at once and returns what was done, marked incomplete."""
+Each backend runs in a process of its own (worker.py), driven by one of `jobs` slot
+threads here: at most `jobs` processes work at once, and once every backend has had its
+turn, a free slot shares the backend with the most work left in a second process. A
+backend that raises, hangs, dies or misbehaves fails that check alone and the run goes on.
+Every record is handed to `on_record` the moment it arrives (the CLI streams it to disk),
+and an interruption (Ctrl-C, SIGTERM) stops the backend processes at once and returns
+what was done, marked incomplete."""
 
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import os
 import platform
@@ -27,6 +30,11 @@ from .unit import backend_entry, run_check
 from .worker import Worker
 
 DEFAULT_DTYPES = DTYPES
+#: a free slot starts a second process for a backend only when that backend's units not
+#: yet started are expected to take at least this long (a process costs a load, ~1-4 s,
+#: and the compile caches it has not warmed)
+SHARE_MIN_S = 10.0
+SHARE_POLL_S = 0.2
 VERSIONED_PACKAGES = ("normspec", "numpy", "ml_dtypes", "hypothesis", "torch", "jax", "flax",
                       "jaxlib", "numba", "triton")
 
@@ -137,6 +145,16 @@ class _Run:
         #: where the time went, per backend: loading, and checks per family
         self.timing: dict[str, dict] = {}
         self.family = {c.id: c.fn.__module__.rsplit(".", 1)[-1] for c in all_checks()}
+        #: per backend name: its units not yet started, loaded processes no slot holds,
+        #: processes working on it, and (seconds, units) of its finished units
+        self.order: list[str] = []
+        self.requested: dict[str, str] = {}
+        self.pending: dict[str, collections.deque] = {}
+        self.idle: dict[str, list[Worker]] = {}
+        self.active: dict[str, int] = {}
+        self.spent: dict[str, list] = {}
+        self.extra: list[Worker] = []  # second processes of shared backends
+        self.unshareable: set[str] = set()
 
     def _keep(self, unit, rec: dict) -> None:
         rec["run"] = self.label
@@ -155,15 +173,89 @@ class _Run:
             w.wait_loaded(self.timeout)
             # loads overlap: this is when the backend was ready, counted from the start
             self.timing[w.entry["name"]] = {"load_s": round(time.perf_counter() - start, 2),
-                                            "checks_s": 0.0, "families": {}}
+                                            "checks_s": 0.0, "families": {}, "processes": 1}
         return workers
 
-    def drive(self, worker: Worker, units: list[tuple]) -> None:
-        """One backend's units, in order, in its process; runs in a thread of this one."""
-        name = worker.entry["name"]
-        for unit in units:
-            if self.stopping.is_set():
+    # ------------------------------------------------------------ scheduling
+    def queue(self, workers: list[Worker], units: list[tuple]) -> None:
+        """Hand the planned units to the slots: per backend, in plan order, and the
+        backend's loaded process waiting for the first slot that takes it."""
+        for w in workers:
+            name = w.entry["name"]
+            self.order.append(name)
+            self.requested[name] = w.requested
+            self.idle[name] = [w]
+            self.pending[name] = collections.deque(u for u in units if u[0] == name)
+            self.active[name] = 0
+            self.spent[name] = [0.0, 0]
+
+    def _remaining_s(self, name: str) -> float:
+        """What the backend's units not yet started will take, by the mean of its
+        finished ones (infinite before any has finished: not yet known)."""
+        spent, n = self.spent[name]
+        return len(self.pending[name]) * spent / n if n else float("inf")
+
+    def _choose(self) -> tuple[str | None, bool]:
+        """(backend for a free slot, whether nothing is left to wait for). A backend no
+        process works on comes first, in the run's order (slowest first); else, a second
+        process for the backend with the most work left, when that work is known to
+        outweigh starting a process (`SHARE_MIN_S`)."""
+        waiting = [n for n in self.order if self.pending[n]]
+        if not waiting:
+            return None, True
+        fresh = [n for n in waiting if not self.active[n]]
+        if fresh:
+            return fresh[0], False
+        shareable = [n for n in waiting if n not in self.unshareable
+                     and len(self.pending[n]) >= 2 and self._remaining_s(n) >= SHARE_MIN_S]
+        if shareable:
+            best = max(shareable, key=self._remaining_s)
+            if self._remaining_s(best) != float("inf"):
+                return best, False
+        return None, False  # the work left is unknown or small: the busy processes keep it
+
+    def slot(self) -> None:
+        """One of `jobs` slots: takes a backend, runs its units until none is left,
+        then takes the next. Once every backend has a process, a free slot shares the
+        backend with the most work left, in a process of its own, so two cores finish
+        together instead of one waiting for the slowest backend."""
+        while not self.stopping.is_set():
+            with self.lock:
+                name, finished = self._choose()
+                if name is not None:
+                    worker = self.idle[name].pop() if self.idle[name] else None
+                    self.active[name] += 1
+            if finished:
                 return
+            if name is None:
+                time.sleep(SHARE_POLL_S)
+                continue
+            try:
+                if worker is None:
+                    worker = Worker(self.requested[name], self.label)
+                    self.extra.append(worker)
+                    worker.start()
+                    if not worker.wait_loaded(self.timeout) or worker.entry["name"] != name:
+                        # the units stay with the backend's first process
+                        with self.lock:
+                            self.unshareable.add(name)
+                        continue
+                    with self.lock:
+                        self.timing[name]["processes"] += 1
+                self.drive(worker, name)
+            finally:
+                with self.lock:
+                    self.active[name] -= 1
+                if worker is not None:
+                    worker.stop()
+
+    def drive(self, worker: Worker, name: str) -> None:
+        """The backend's units, one at a time, in `worker`'s process, until none is left."""
+        while not self.stopping.is_set():
+            with self.lock:
+                if not self.pending[name]:
+                    return
+                unit = self.pending[name].popleft()
             _, check_id, dtype = unit
             t0 = time.perf_counter()
             recs = worker.execute(check_id, dtype, seed=self.seed, examples=self.examples,
@@ -176,6 +268,8 @@ class _Run:
             with self.lock:
                 self.done.add(unit)
                 self.on_done(unit)
+                self.spent[name][0] += spent
+                self.spent[name][1] += 1
                 t = self.timing[name]
                 t["checks_s"] = round(t["checks_s"] + spent, 2)
                 fam = self.family.get(check_id, "other")
@@ -184,11 +278,10 @@ class _Run:
                 counts = ", ".join(f"{n} {s}" for s, n in _count(recs).items())
                 self.say(f"{name:>8} {check_id:<26} {dtype:<9} {counts} "
                          f"({time.perf_counter() - t0:.1f}s)")
-        worker.stop()
 
     def stop(self) -> None:
         self.stopping.set()
-        for w in self.workers.values():
+        for w in [*self.workers.values(), *self.extra]:
             w.kill()
 
 
@@ -269,8 +362,8 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
             on_start(doc, units)
         if on_done is not None:
             state.on_done = on_done
-        futures = [pool.submit(state.drive, w, [u for u in units if u[0] == w.entry["name"]])
-                   for w in usable]
+        state.queue(usable, units)
+        futures = [pool.submit(state.slot) for _ in range(max(1, jobs))]
         while futures:
             finished, pending = wait(futures, timeout=0.5, return_when=FIRST_EXCEPTION)
             for f in finished:

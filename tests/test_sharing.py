@@ -1,0 +1,51 @@
+"""Slots share the slowest backend: once every backend has a process, a free slot starts
+a second process for the backend with the most work left and takes units from the same
+queue, each unit run exactly once; the run's records are those of a run without sharing."""
+
+from __future__ import annotations
+
+import pytest
+from normspec.conformance import runner
+
+CHECKS = ["F2.values", "F3.values", "F2.grad", "B1", "B2", "E1", "E2"]
+DTYPES = ["float32", "float64"]
+
+
+def _run(jobs):
+    return runner.run(["pid_backend:make_backend"], checks=CHECKS, dtypes=DTYPES, seed=5,
+                      examples=2, label="ci", jobs=jobs)
+
+
+def _comparable(records):
+    return sorted((r["check"], r["dtype"], r["case"], r["status"], r["message"],
+                   str(r["max_ulp"]), r["inputs"]) for r in records)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    pids = tmp_path_factory.mktemp("pids") / "pids.txt"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NORMSPEC_TEST_PIDS", str(pids))
+        alone = _run(1)
+        alone_pids = pids.read_text().split()
+        pids.write_text("")
+        mp.setattr(runner, "SHARE_MIN_S", 0.0)  # share as soon as the work left is known
+        shared = _run(2)
+        shared_pids = pids.read_text().split()
+    return alone, alone_pids, shared, shared_pids
+
+
+def test_a_free_slot_shares_the_backend_in_a_second_process(runs):
+    alone, alone_pids, shared, shared_pids = runs
+    assert len(set(alone_pids)) == 1
+    assert len(set(shared_pids)) == 2
+    assert shared["runs"][0]["timing"]["numpy_pid"]["processes"] == 2
+
+
+def test_shared_units_run_once_each_and_give_the_same_records(runs):
+    alone, _, shared, _ = runs
+    assert shared["runs"][0]["complete"] and alone["runs"][0]["complete"]
+    assert shared["runs"][0]["planned"] == alone["runs"][0]["planned"]
+    units = [(r["check"], r["dtype"], r["case"]) for r in shared["records"]]
+    assert len(units) == len(set(units))
+    assert _comparable(shared["records"]) == _comparable(alone["records"])
