@@ -3,8 +3,12 @@ variants real code ships (spec/variants.py) the backend's output does conform to
 
 An op routine knows its inputs; it hands `Context.conforms` an `Alternatives` that says
 how to recompute the compared quantity under any function with the oracle op's
-signature. Only when the comparison fails does the context evaluate each variant of that
-op and compare the backend's output with it, under the same scale and bound. The answer
+signature (and, for a normalized output, the inputs that let the statistics the output
+implies be fitted: a variant whose rounding noise no emulation reproduces, such as a
+one-pass variance summed in a kernel's own order, matches when those statistics lie
+within its envelope and explain the output; only when no variant matches outright).
+Only when the comparison fails does the context evaluate each variant of that op and
+compare the backend's output with it, under the same scale and bound. The answer
 ("matches: ln.eps_outside_sqrt ..." or "unexplained ...") goes into the record.
 
 This is diagnosis, never a verdict: a record whose output matches a variant is still a
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from normspec.impls.protocol import HALF_DTYPES, compute_dtype
+from normspec.spec.rounding import unit_roundoff
 from normspec.spec.variants import variants_for
 
 from .assertions import error_ulps
@@ -51,6 +56,10 @@ class Alternatives:
     recompute: Callable
     pick: int | None = None
     length: int | None = None
+    #: for a normalized output: (x, reduced axes, weight, bias, eps), float64, weight
+    #: and bias broadcastable to x (None: absent), so the statistics the backend's output
+    #: implies can be judged against a variant's envelope
+    statistics: tuple | None = None
 
     def value(self, fn):
         out = self.recompute(fn)
@@ -85,8 +94,57 @@ def _conforms(expected, actual, dtype, scale, bound) -> bool:
     return bool(np.all(err <= np.broadcast_to(np.asarray(bound, dtype=np.float64), err.shape)))
 
 
+def implied_statistics(actual, x, axes, weight, bias, eps):
+    """Per slice, the mean and variance under which the normalization reproduces
+    `actual` best: y - beta = r gamma (x - mean) fitted by least squares in r and
+    r * mean (two sums per slice), variance = 1 / r^2 - eps. Returns (mean, var, y_fit);
+    NaN where the slice cannot tell them (one value, a zero gain)."""
+    y = np.asarray(actual).astype(np.float64)
+    w = np.broadcast_to(1.0 if weight is None else weight, x.shape)
+    t = y - (0.0 if bias is None else bias)
+    mu = np.mean(x, axis=axes, keepdims=True)  # centring first: well-conditioned sums
+    a, c = w * (x - mu), w
+
+    def s(u, v):
+        return np.sum(u * v, axis=axes, keepdims=True)
+
+    with np.errstate(all="ignore"):
+        saa, sac, scc, sat, sct = s(a, a), s(a, c), s(c, c), s(a, t), s(c, t)
+        det = saa * scc - sac * sac
+        r = (sat * scc - sac * sct) / det
+        p = (saa * sct - sac * sat) / det
+        mean = mu - p / r
+        var = 1.0 / (r * r) - eps
+        y_fit = w * (x - mean) * r + (0.0 if bias is None else bias)
+    return mean, var, y_fit
+
+
+def _within_envelope(v, alternatives, actual, dtype, scale, bound) -> bool:
+    """The backend's output is a normalization of x with statistics that lie within the
+    variant's envelope of the exact ones, and, with those statistics, within the failed
+    comparison's bound: what a reordered, unreproducible sum of that variant gives."""
+    x, axes, weight, bias, eps = alternatives.statistics
+    mean, var, y_fit = implied_statistics(actual, x, axes, weight, bias, eps)
+    dm, dv = v.envelope(x, axes, compute_dtype(dtype))
+    exact_mean = np.mean(x, axis=axes, keepdims=True)
+    exact_var = np.var(x, axis=axes, keepdims=True)
+    # the normalization after the statistics rounds too (x - mean, rsqrt, the gain
+    # multiply, the output itself): a few units of the compute and output dtypes per
+    # slice, counted generously, on the size of what the statistics are made of
+    u = max(unit_roundoff(compute_dtype(dtype)), unit_roundoff(dtype))
+    msq = np.mean(x * x, axis=axes, keepdims=True)
+    slack_v = 32 * u * (msq + eps)
+    slack_m = 32 * u * np.sqrt(msq + eps)
+    with np.errstate(invalid="ignore"):
+        ok = (np.all(np.abs(mean - exact_mean) <= dm + slack_m)
+              and np.all(np.abs(var - exact_var) <= dv + slack_v))
+    return bool(ok) and _conforms(y_fit, actual, dtype, scale, bound)
+
+
 def matching_variants(alternatives: Alternatives, *, actual, dtype, scale, bound):
-    """(variants whose value the output conforms to, those tried, those too costly)."""
+    """(variants whose value the output conforms to, those tried, those too costly, and
+    those it is consistent with only within their envelope). Envelopes are consulted
+    only when no variant matches outright."""
     matches, tried, skipped = [], [], []
     for v in variants_for(alternatives.op):
         fn = _bound_variant(v, dtype)
@@ -103,19 +161,24 @@ def matching_variants(alternatives: Alternatives, *, actual, dtype, scale, bound
         tried.append(v)
         if _conforms(expected, actual, dtype, scale, bound):
             matches.append(v)
-    return matches, tried, skipped
+    enveloped = []
+    if not matches and alternatives.statistics is not None and alternatives.pick in (None, 0):
+        enveloped = [v for v in variants_for(alternatives.op) if v.envelope is not None
+                     and _within_envelope(v, alternatives, actual, dtype, scale, bound)]
+    return matches, tried, skipped, enveloped
 
 
 def diagnose(alternatives: Alternatives, *, actual, dtype, scale, bound) -> dict:
     """The record's diagnosis of a failed comparison, as data: the op whose variants were
     tried, the ids that matched and those tried, and each match's description and where
     it is seen. No match is "unexplained" (`summary` says so)."""
-    matches, tried, skipped = matching_variants(alternatives, actual=actual, dtype=dtype,
-                                                scale=scale, bound=bound)
-    return {"op": alternatives.op, "matches": [v.id for v in matches],
+    matches, tried, skipped, enveloped = matching_variants(
+        alternatives, actual=actual, dtype=dtype, scale=scale, bound=bound)
+    return {"op": alternatives.op, "matches": [v.id for v in matches + enveloped],
             "tried": [v.id for v in tried], "skipped": [v.id for v in skipped],
+            "within_envelope": [v.id for v in enveloped],
             "details": {v.id: {"description": v.description, "seen_in": v.seen_in}
-                        for v in matches}}
+                        for v in matches + enveloped}}
 
 
 def summary(diagnosis: dict | None) -> str:
@@ -126,8 +189,12 @@ def summary(diagnosis: dict | None) -> str:
     matches = diagnosis.get("matches") or []
     if matches:
         details = diagnosis.get("details") or {}
+        loose = set(diagnosis.get("within_envelope") or ())
         return "matches: " + "; ".join(
-            f"{m} ({details[m]['description']})" if m in details else m for m in matches)
+            (f"{m} ({details[m]['description']})" if m in details else m)
+            + (" [within its rounding envelope: the statistics the output implies lie "
+               "within what that formula gives in some summation order]" if m in loose else "")
+            for m in matches)
     tried, skipped = diagnosis.get("tried") or [], diagnosis.get("skipped") or []
     text = "unexplained (" + (f"tried {', '.join(tried)}" if tried else
                               f"no variant of {diagnosis.get('op', '?')} in the catalogue "

@@ -27,6 +27,12 @@ def _format(dt: np.dtype):
     return fi.nmant + 1, int(np.log2(float(fi.smallest_normal))), float(fi.max)
 
 
+def unit_roundoff(dtype) -> float:
+    """u = 2^-p of `dtype` (p significand bits, the implicit one included): the largest
+    relative error of one correctly rounded operation."""
+    return 2.0 ** -_format(_check_dtype(dtype))[0]
+
+
 def ulp(values, dtype) -> np.ndarray:
     """The spacing of `dtype` at |values| (subnormal spacing below the normal range), float64."""
     dt = _check_dtype(dtype)

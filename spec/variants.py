@@ -10,7 +10,12 @@ variant whose output is in a half dtype, the oracle rounded once to that dtype).
 
 Precision variants emulate the narrow arithmetic exactly: every operation of the
 variant is rounded to the compute dtype (`rounding.round_to`, round to nearest even),
-and reductions accumulate sequentially, one rounding per addition.
+and reductions accumulate sequentially, one rounding per addition. A real kernel sums in
+another order (vector lanes, trees), and where the variant cancels (one-pass variance)
+its rounding noise is not reproducible; such a variant also has an `envelope`: the
+rigorous bounds on how far its statistics can lie from the exact ones in ANY summation
+order (`one_pass_statistics_error`), against which a backend's implied statistics are
+judged.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ from .batch_norm import (
 )
 from .layer_norm import _refined_mean, layer_norm, layer_norm_vjp
 from .rms_norm import RMS_NORM_DEFAULT_EPS, rms_norm, rms_norm_vjp
-from .rounding import _check_dtype, round_to
+from .rounding import _check_dtype, round_to, unit_roundoff
 
-Variant = namedtuple("Variant", "id op description seen_in fn reference")
+Variant = namedtuple("Variant", "id op description seen_in fn reference envelope",
+                     defaults=(None,))
 
 
 # --- helpers --------------------------------------------------------------------------
@@ -122,6 +128,35 @@ def ln_one_pass_variance(x, normalized_shape, weight=None, bias=None, eps=1e-5, 
     var = rnd(msq - rnd(mu * mu))
     mu, var = _keep(mu, x, axes), _keep(var, x, axes)
     return _ln_affine((x - mu) / np.sqrt(var + eps), weight, bias)
+
+
+def one_pass_statistics_error(x, axes, compute_dtype=np.float32):
+    """(mean bound, variance bound), per reduced slice (kept dims): how far the mean and
+    the variance E[x^2] - E[x]^2 computed in `compute_dtype` (unit roundoff u) can lie from
+    the exact ones, whatever the summation order. With n values, g_k = k u / (1 - k u)
+    (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., lemma 3.1 and
+    section 4.2): the sum of n terms in any order is off by at most g_(n-1) sum |terms|,
+    each square and each division adds one rounding, so
+      |mean' - mean| <= dm = g_(n+1) E|x|   (x itself rounded to compute_dtype: one more)
+      |E[x^2]' - E[x^2]| <= g_(n+2) E[x^2]
+      |mean'^2' - mean^2| <= (2 |mean| + dm) dm + u (|mean| + dm)^2
+    and the subtraction rounds once more (u times the result's size). A clamp at 0 only
+    moves a negative result closer."""
+    x = np.asarray(x, dtype=np.float64)
+    u = unit_roundoff(compute_dtype)
+    n = _d(x, axes)
+
+    def g(k):
+        return k * u / (1.0 - k * u)
+
+    mean_abs = np.mean(np.abs(x), axis=axes, keepdims=True)
+    mean = np.mean(x, axis=axes, keepdims=True)
+    msq = np.mean(x * x, axis=axes, keepdims=True)
+    dm = g(n + 1) * mean_abs
+    d_msq = g(n + 2) * msq
+    d_sq = (2 * np.abs(mean) + dm) * dm + u * (np.abs(mean) + dm) ** 2
+    var_size = msq + d_msq + (np.abs(mean) + dm) ** 2
+    return dm, d_msq + d_sq + u * var_size
 
 
 @ieee
@@ -360,8 +395,9 @@ def _bn_reference(x, running_mean, running_var, weight=None, bias=None, momentum
 VARIANTS = (
     Variant("ln.one_pass_variance", "layer_norm",
             "variance as E[x^2] - E[x]^2 in a narrow compute dtype; cancels for a large mean",
-            "onnxruntime #28463 ([40000..40003] gives NaN) and #21935; pytorch #51102",
-            ln_one_pass_variance, _ln_reference),
+            "onnxruntime #28463 ([40000..40003] gives NaN) and #21935; pytorch #51102; "
+            "flax.nnx.LayerNorm use_fast_variance=True (the default)",
+            ln_one_pass_variance, _ln_reference, one_pass_statistics_error),
     Variant("ln.eps_outside_sqrt", "layer_norm",
             "eps added to the standard deviation, (x - mu) / (sqrt(var) + eps)",
             "CNTK #3816 (eps outside the square root)",
@@ -422,7 +458,7 @@ VARIANTS = (
             "batch variance as max(0, E[x^2] - E[x]^2) in a narrow compute dtype",
             "flax #1491 (negative variance); flax.nnx.BatchNorm use_fast_variance=True (the "
             "default) clamps at 0; equinox PR #314 clips it",
-            bn_one_pass_variance, _bn_reference),
+            bn_one_pass_variance, _bn_reference, one_pass_statistics_error),
     Variant("bn.vjp_constant_statistics", "batch_norm_train_vjp",
             "training backward with the batch statistics treated as constants (eval formula)",
             "pattern: the eval-mode backward used after a training-mode forward (no project named)",

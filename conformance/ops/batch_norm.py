@@ -30,6 +30,10 @@ def _layout(x64):
     return (0,) + tuple(range(2, x64.ndim)), (1, x64.shape[1]) + (1,) * (x64.ndim - 2)
 
 
+def _channel(p, bshape):
+    return None if p is None else p.reshape(bshape)
+
+
 class BatchNormDriver:
     """A backend BatchNorm layer driven step by step beside the oracle.
 
@@ -135,7 +139,9 @@ class BatchNormDriver:
             def variants(pick, e=self.e):
                 return Alternatives("batch_norm_train",
                                     lambda fn: fn(x64, rm_in, rv_in, w64, b64, a, e), pick,
-                                    x64.size // x64.shape[1])
+                                    x64.size // x64.shape[1],
+                                    statistics=(x64, axes, _channel(w64, bshape),
+                                                _channel(b64, bshape), e))
             mean, var, n = x64.mean(axis=axes), x64.var(axis=axes), x64.size // x64.shape[1]
             kappa = centring_kappa(x64, axes, self.e)
             stats = "rm, rv" if keeps else "None, None"

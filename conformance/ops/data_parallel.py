@@ -26,13 +26,10 @@ from ..tolerances import (
     running_stat_scales,
 )
 from ._common import f64
+from .batch_norm import _layout
 
 FIELDS = ("output", "grad_input", "replica_grad_weight", "replica_grad_bias", "grad_weight",
           "grad_bias", "running_mean", "running_var")
-
-
-def _layout(x64):
-    return (0,) + tuple(range(2, x64.ndim)), (1, x64.shape[1]) + (1,) * (x64.ndim - 2)
 
 
 def _names(prefix, steps):

@@ -47,7 +47,7 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
                  bound=bound("output", ctx.dtype, d, kappa), quantity="layer_norm.output",
                  call=code,
                  variants=Alternatives("layer_norm", lambda fn: fn(x64, shape, w64, b64, e),
-                                       length=d))
+                                       length=d, statistics=(x64, axes, w64, b64, e)))
     if g is None:
         return
     g64 = f64(g)
