@@ -53,7 +53,18 @@ def _die_with_parent() -> None:
         pass
 
 
+#: set in each backend process before its framework loads, unless the user set them:
+#: OpenMP worker threads (torch, numba, oneDNN) otherwise spin after every parallel
+#: region, and with two backend processes on two cores each spins on the core the other
+#: needs (measured here: torch's and numba's BatchNorm matrix and B9 checks, 137 s wall
+#: spinning, 17 s passive). Waiting passively changes no result, only who holds a core.
+#: `normspec bench` does not set them: a benchmark times the runtime as users run it.
+CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+
+
 def _child_main(conn, requested: str, label: str) -> None:
+    for key, value in CHILD_ENV.items():
+        os.environ.setdefault(key, value)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     from hypothesis.configuration import set_hypothesis_home_dir

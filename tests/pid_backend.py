@@ -1,5 +1,6 @@
 """The numpy backend, and a note of each process that loads it: the file named by
-$NORMSPEC_TEST_PIDS gets the process id, one line per load (tests/test_sharing.py)."""
+$NORMSPEC_TEST_PIDS gets the process id, one line per load, and the version says the
+process's OMP_WAIT_POLICY (tests/test_sharing.py)."""
 
 from __future__ import annotations
 
@@ -13,4 +14,5 @@ def make_backend():
         f.write(f"{os.getpid()}\n")
     backend = _numpy()
     backend.name = "numpy_pid"
+    backend.version = f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
     return backend

@@ -1,6 +1,7 @@
-"""Slots share the slowest backend: once every backend has a process, a free slot starts
-a second process for the backend with the most work left and takes units from the same
-queue, each unit run exactly once; the run's records are those of a run without sharing."""
+"""How backend processes share two cores: once every backend has a process, a free slot
+starts a second process for the backend with the most work left and takes units from
+the same queue, each unit run exactly once, the run's records those of a run without
+sharing; and each backend process waits passively instead of spinning."""
 
 from __future__ import annotations
 
@@ -49,3 +50,16 @@ def test_shared_units_run_once_each_and_give_the_same_records(runs):
     units = [(r["check"], r["dtype"], r["case"]) for r in shared["records"]]
     assert len(units) == len(set(units))
     assert _comparable(shared["records"]) == _comparable(alone["records"])
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_backend_processes_wait_passively_unless_told_otherwise(tmp_path, monkeypatch, given, seen):
+    """OpenMP threads spinning after a parallel region take the core another backend's
+    process needs; each backend process waits passively, unless the user said otherwise."""
+    monkeypatch.setenv("NORMSPEC_TEST_PIDS", str(tmp_path / "pids.txt"))
+    if given is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    doc = runner.run(["pid_backend:make_backend"], checks=["E1"], dtypes=["float32"], label="ci")
+    assert doc["backends"][0]["version"] == f"OMP_WAIT_POLICY={seen}"
