@@ -103,13 +103,19 @@ class FlaxBackend(Backend):
         return self._replicas.run(steps, sync=sync, eps=eps, momentum=momentum, dtype=dtype,
                                   weight=weight, bias=bias, grad_outputs=grad_outputs)
 
+    def _dev(self, a):
+        """A NumPy array on JAX's CPU device, same dtype and values: a transfer.
+        (jnp.asarray stages the array through a primitive that XLA compiles once per
+        shape and dtype, ~30 ms each, paid for every new input shape.)"""
+        return self.jax.device_put(np.asarray(a))
+
     def _rngs(self):
         return self.nnx.Rngs(0)
 
     def _set(self, param, value, shape):
         """Set a Flax parameter from a NumPy array; None (an absent parameter) sets nothing."""
         if value is not None:
-            param.set_value(self.jnp.asarray(np.asarray(value).reshape(shape)))
+            param.set_value(self._dev(np.asarray(value).reshape(shape)))
 
     def _apply(self, module, x, grad_output, names, shape):
         """Run a stateless module; with grad_output, the VJP w.r.t. x and named params.
@@ -117,12 +123,12 @@ class FlaxBackend(Backend):
         The computation is jax.jit-compiled once per module configuration and input
         shape (XLA would otherwise compile every primitive separately for each new shape),
         which changes nothing about what Flax computes."""
-        jnp, nnx = self.jnp, self.nnx
+        nnx = self.nnx
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         fn = self._compiled(graphdef, rest, grad_output is not None)
         if grad_output is None:
-            return Result(_np(fn(jnp.asarray(x), params)))
-        y, (gx, gp) = fn(jnp.asarray(x), params, jnp.asarray(grad_output))
+            return Result(_np(fn(self._dev(x), params)))
+        y, (gx, gp) = fn(self._dev(x), params, self._dev(grad_output))
         grads = [None if n is None else _np(gp[n].get_value()).reshape(shape) for n in names]
         return Result(_np(y), _np(gx), *grads)
 
@@ -204,7 +210,7 @@ class FlaxBackend(Backend):
                 return s.astype(qv.dtype)
 
             fn = self._cache[key] = jax.jit(scores)
-        return _np(fn(jnp.asarray(q), jnp.asarray(k), norms[0][1], norms[1][1]))
+        return _np(fn(self._dev(q), self._dev(k), norms[0][1], norms[1][1]))
 
     def softcap(self, scores, cap):
         s = self.jnp.asarray(scores)
@@ -240,14 +246,15 @@ class FlaxBatchNorm(BatchNormLayer):
         return (not self.training) and self.track
 
     def forward(self, x, grad_output=None):
-        jnp, nnx = self.b.jnp, self.b.nnx
+        nnx = self.b.nnx
         graphdef, params, stats, rest = nnx.split(self.module, nnx.Param, nnx.BatchStat, ...)
         fn = self._compiled(graphdef, rest, self._use_running_average(), grad_output is not None)
         if grad_output is None:
-            y, new_stats = fn(jnp.asarray(x), params, stats)
+            y, new_stats = fn(self.b._dev(x), params, stats)
             nnx.update(self.module, new_stats)
             return Result(_np(y))
-        y, new_stats, (gx, gp, _) = fn(jnp.asarray(x), params, stats, jnp.asarray(grad_output))
+        y, new_stats, (gx, gp, _) = fn(self.b._dev(x), params, stats,
+                                       self.b._dev(grad_output))
         nnx.update(self.module, new_stats)
         gw = _np(gp["scale"].get_value()) if "scale" in gp else None
         gb = _np(gp["bias"].get_value()) if "bias" in gp else None
