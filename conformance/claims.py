@@ -53,9 +53,15 @@ _CLAIMS = (
     Claim("F8", "Block wirings",
           "Post-LN normalizes after the residual sum; Pre-LN normalizes the branch input and "
           "needs a final norm after the last block; the sandwich wiring normalizes the "
-          "branch before and its output after, keeping the residual path untouched.",
+          "branch before and its output after, keeping the residual path untouched. "
+          "Inference engines fuse Pre-LN's residual add with the norm that follows it and "
+          "return both the new residual and the normalized sum, under one of two "
+          "arithmetic contracts that a backend declares: the norm of the sum rounded to the "
+          "activation dtype (the eager composition) or of the unrounded float32 sum "
+          "(vLLM's native IR); they differ in float16 and bfloat16.",
           "post: x = LN(x + F(x)); pre: x = x + F(LN(x)), final LN; "
-          "sandwich: x = x + Norm_post(F(Norm_pre(x)))"),
+          "sandwich: x = x + Norm_post(F(Norm_pre(x))); "
+          "fused: r' = round(x + r), y = Norm(r') or Norm(x + r)"),
     Claim("F2/F3", "LayerNorm and RMSNorm on hard inputs",
           "F2 and F3 hold on inputs that break careless kernels: rows around +-1000 in "
           "float16, a large mean with a tiny spread, constant rows, non-contiguous memory, "

@@ -83,6 +83,16 @@ TABLE: dict[str, Tolerance] = {t.quantity: t for t in (
               "error at the scale of h reaches at most (1 + sqrt(d)) times that at the "
               "output's scale (gain-1 sublayers: the weights are drawn with spread "
               "1/sqrt(fan_in)). Scale: the token's largest |reference|."),
+    Tolerance("residual_sum", 1.0, 1.0,
+              "The residual a fused add + norm writes back (F8), round_T(x + residual): one "
+              "addition, so n = 1 and kappa = 1; a kernel that adds in its compute precision "
+              "and rounds that to T errs by one u_c more (growth 1). Scale: |x| + |residual|, "
+              "the magnitudes added."),
+    Tolerance("fused_gradient", 2.0, 4.0,
+              "dL/dx and dL/dresidual of a fused add + norm (F8): the norm's dL/ds (the "
+              "'gradient' row: growth 4) plus the written-back residual's upstream gradient "
+              "g_r. Autograd holds the norm's part in T before adding g_r, one more rounding "
+              "in T: base 2. Scale: the norm VJP's scale plus the row's largest |g_r|."),
     Tolerance("invariance", 2.0, 4.0,
               "Backend against itself on two inputs (B1/B2): both sides carry the output "
               "bound, so base and growth double."),

@@ -31,6 +31,7 @@ from .protocol import (
     BatchNormLayer,
     Capabilities,
     Conventions,
+    FusedAddNormResult,
     Result,
 )
 
@@ -61,8 +62,9 @@ def _np(a):
 
 class FlaxBackend(Backend):
     name = "jax"
-    capabilities = Capabilities(ops=NORM_OPS, dtypes=DTYPES,
-                                gradients={"layer_norm", "rms_norm", "batch_norm"},
+    capabilities = Capabilities(ops=NORM_OPS + ("fused_add_norm",), dtypes=DTYPES,
+                                gradients={"layer_norm", "rms_norm", "batch_norm",
+                                           "fused_add_norm"},
                                 untracked_stats=True, data_parallel={"local", "sync"})
     conventions = Conventions(
         default_eps={"layer_norm": 1e-6, "rms_norm": 1e-6, "batch_norm": 1e-5},
@@ -72,7 +74,11 @@ class FlaxBackend(Backend):
         half_compute_dtype="float32 (statistics promoted to at least float32)",
         single_value_batch="accepts",
         data_parallel_buffers="per_replica",
+        fused_residual_sum="rounded",
         reasons={
+            "fused_residual_sum": "Flax has no fused residual add + norm; the composition a "
+                                  "model writes, r = x + residual, is an array of x's dtype "
+                                  "before the norm module reads it",
             "data_parallel_buffers": "a shard_map/pmap training loop holds BatchNorm's "
                                      "statistics per replica and nothing synchronizes them "
                                      "unless the loop does (Flax's examples average them "
@@ -178,6 +184,36 @@ class FlaxBackend(Backend):
         shape = tuple(normalized_shape)
         m, names = self._norm_module("rms_norm", x.dtype, shape, weight, None, eps)
         return self._apply(m, x, grad_output, names[:1], shape)
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        """The composition a Flax model writes: r = x + residual, y = nnx.RMSNorm or
+        nnx.LayerNorm of r (jitted), jax.vjp through both outputs."""
+        jax, jnp, nnx = self.jax, self.jnp, self.nnx
+        shape = tuple(normalized_shape)
+        m, names = self._norm_module(norm, x.dtype, shape, weight, bias, eps)
+        graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+        grads = grad_outputs is not None
+        key = ("fused", graphdef, grads)
+        fn = self._cache.get(key)
+        if fn is None:
+            def forward(xv, rv, pv):
+                r = xv + rv
+                return nnx.merge(graphdef, pv, rest)(r), r
+
+            def forward_and_vjp(xv, rv, pv, gy, gr):
+                out, vjp = jax.vjp(forward, xv, rv, pv)
+                return out, vjp((gy, gr))
+
+            fn = self._cache[key] = jax.jit(forward_and_vjp if grads else forward)
+        if not grads:
+            y, r = fn(jnp.asarray(x), jnp.asarray(residual), params)
+            return FusedAddNormResult(_np(y), _np(r))
+        (y, r), (gx, gres, gp) = fn(jnp.asarray(x), jnp.asarray(residual), params,
+                                    *(jnp.asarray(g) for g in grad_outputs))
+        gw, gb = (None if n is None else _np(gp[n].get_value()).reshape(shape)
+                  for n in (names + [None])[:2])
+        return FusedAddNormResult(_np(y), _np(r), _np(gx), _np(gres), gw, gb)
 
     def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, grad_output=None):
         """The jitted op on device arrays made once, for `normspec bench`; it waits for

@@ -24,6 +24,7 @@ from .protocol import (
     BackendUnavailable,
     Capabilities,
     Conventions,
+    FusedAddNormResult,
     Result,
     compute_dtype,
     np_dtype,
@@ -45,11 +46,13 @@ def _kernels():
     """The compiled kernels, imported on first use: importing this module never pays for
     compilation, and Numba's on-disk cache means only the first process ever does."""
     from . import _numba_bn as bn
+    from . import _numba_fused as fused
     from . import _numba_rows as rows
 
     return dict(ln_fwd=rows.ln_fwd, rms_fwd=rows.rms_fwd, norm_bwd=rows.norm_bwd,
                 half_fwd=rows.half_fwd, bn_stats=bn.bn_stats, bn_apply=bn.bn_apply,
-                bn_bwd=bn.bn_bwd)
+                bn_bwd=bn.bn_bwd, add_norm_fwd=fused.add_norm_fwd,
+                half_add_norm_fwd=fused.half_add_norm_fwd)
 
 
 def _rows(a, d, ct):
@@ -68,12 +71,17 @@ def _chunks(rows):
 class NumbaBackend(Backend):
     name = "numba"
     capabilities = Capabilities(
-        ops={"layer_norm", "rms_norm", "qk_norm_scores", "batch_norm"}, dtypes=DTYPES,
-        gradients={"layer_norm", "rms_norm", "batch_norm"}, cumulative_momentum=True,
+        ops={"layer_norm", "rms_norm", "qk_norm_scores", "batch_norm", "fused_add_norm"},
+        dtypes=DTYPES, gradients={"layer_norm", "rms_norm", "batch_norm", "fused_add_norm"},
+        cumulative_momentum=True,
         untracked_stats=True)
     conventions = Conventions(
         default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6, "batch_norm": 1e-5},
-        half_compute_dtype="float32 (statistics accumulated in float64)")
+        half_compute_dtype="float32 (statistics accumulated in float64)",
+        fused_residual_sum="float32",
+        reasons={"fused_residual_sum": "the fused kernel normalizes the sum it formed in "
+                                       "float32 (the compute precision) and rounds only the "
+                                       "residual it writes back, as vLLM's native IR does"})
 
     def __init__(self):
         if numba is None:
@@ -136,6 +144,38 @@ class NumbaBackend(Backend):
 
     def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
         return self._norm("rms_norm", x, normalized_shape, weight, None, eps, grad_output)
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        """The fused kernels of _numba_fused.py; the backward runs norm_bwd at the
+        unrounded sum (kept in the compute precision) and adds dL/dresidual'."""
+        ct, d = compute_dtype(x.dtype), int(np.prod(normalized_shape))
+        centre = norm == "layer_norm"
+        w, b = _param(weight, d, ct, 1.0), _param(bias, d, ct, 0.0)
+        if x.dtype in HALF and grad_outputs is None:
+            x16 = np.ascontiguousarray(x).reshape(-1, d).view(np.uint16)
+            r16 = np.ascontiguousarray(residual).reshape(-1, d).view(np.uint16)
+            y16, s16 = np.empty_like(x16), np.empty_like(x16)
+            self.k["half_add_norm_fwd"](x16, r16, w, b, float(eps), y16, s16,
+                                        _chunks(x16.shape[0]), _FMT[x.dtype], centre)
+            return FusedAddNormResult(y16.view(x.dtype).reshape(x.shape),
+                                      s16.view(x.dtype).reshape(x.shape))
+        # float32/float64 rows (half rows with a backward: decoded to float32 here)
+        xr, rr = _rows(x, d, ct), _rows(residual, d, ct)
+        rows = xr.shape[0]
+        y, s, mean, rstd = np.empty_like(xr), np.empty_like(xr), np.zeros(rows), np.empty(rows)
+        self.k["add_norm_fwd"](xr, rr, w, b, float(eps), y, s, mean, rstd, _chunks(rows),
+                               centre)
+        out = y.reshape(x.shape).astype(x.dtype)
+        new_residual = s.reshape(x.shape).astype(x.dtype)
+        if grad_outputs is None:
+            return FusedAddNormResult(out, new_residual)
+        dx, dw, db = self._backward(norm, s, w, _rows(grad_outputs[0], d, ct), mean, rstd)
+        g = (dx + _rows(grad_outputs[1], d, ct)).reshape(x.shape).astype(x.dtype)
+        shape = tuple(normalized_shape)
+        gw = dw.reshape(shape).astype(x.dtype) if weight is not None else None
+        gb = db.reshape(shape).astype(x.dtype) if bias is not None else None
+        return FusedAddNormResult(out, new_residual, g, g.copy(), gw, gb)
 
     def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, grad_output=None):
         """The kernels on arrays made once, for `normspec bench`: outputs are allocated once,

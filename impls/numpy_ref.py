@@ -14,7 +14,16 @@ import numpy as np
 
 from ._running import RunningStats, RunningStatsLayer
 from .numpy_dp import NumpyDataParallel
-from .protocol import DTYPES, NORM_OPS, Backend, Capabilities, Conventions, Result, compute_dtype
+from .protocol import (
+    DTYPES,
+    NORM_OPS,
+    Backend,
+    Capabilities,
+    Conventions,
+    FusedAddNormResult,
+    Result,
+    compute_dtype,
+)
 
 
 def _up(a, ct):
@@ -48,14 +57,16 @@ def _axes(x, normalized_shape):
 class NumpyBackend(NumpyDataParallel, Backend):
     name = "numpy"
     version = np.__version__
-    capabilities = Capabilities(ops=NORM_OPS, dtypes=DTYPES,
-                                gradients={"layer_norm", "rms_norm", "batch_norm"},
+    capabilities = Capabilities(ops=NORM_OPS + ("fused_add_norm",), dtypes=DTYPES,
+                                gradients={"layer_norm", "rms_norm", "batch_norm",
+                                           "fused_add_norm"},
                                 cumulative_momentum=True, untracked_stats=True,
                                 data_parallel={"local", "sync"})
     conventions = Conventions(
         default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6, "batch_norm": 1e-5},
         native_momentum="weight of the new batch (PyTorch's meaning)",
         data_parallel_buffers="per_replica",
+        fused_residual_sum="rounded",
     )
 
     # --- statistics, overridable one at a time by the test-suite's broken variants ---
@@ -105,6 +116,22 @@ class NumpyBackend(NumpyDataParallel, Backend):
         gx = r * (h - xc * r * r * _mean(h * xc, axes))
         gw = _sum(g * xc * r, tuple(range(axes[0]))).astype(x.dtype) if w is not None else None
         return Result(y.astype(x.dtype), gx.astype(x.dtype), gw)
+
+    # --- fused residual add + norm (F8), the eager composition: contract "rounded" ---
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        ct = compute_dtype(x.dtype)
+        s = (x.astype(ct) + residual.astype(ct)).astype(x.dtype)  # the sum, held in x's dtype
+        g_y = None if grad_outputs is None else grad_outputs[0]
+        if norm == "rms_norm":
+            res = self.rms_norm(s, normalized_shape, weight, eps, g_y)
+        else:
+            res = self.layer_norm(s, normalized_shape, weight, bias, eps, g_y)
+        if grad_outputs is None:
+            return FusedAddNormResult(res.output, s)
+        g = (res.grad_input.astype(ct) + grad_outputs[1].astype(ct)).astype(x.dtype)
+        return FusedAddNormResult(res.output, s, g, g.copy(), res.grad_weight,
+                                  res.grad_bias if norm == "layer_norm" else None)
 
     # --- QK-norm (F6) ---
     def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):

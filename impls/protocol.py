@@ -1,9 +1,10 @@
 """The backend protocol: the one interface between normspec and a normalization backend.
 
 A backend is an object with four attributes (`name`, `version`, `capabilities`,
-`conventions`) and up to six methods (`layer_norm`, `rms_norm`, `qk_norm_scores`,
-`batch_norm`, `softcap`, and `encoder_layer`, a whole Transformer encoder layer for the
-F8 wirings); `capabilities.ops` says which it has. One more method is
+`conventions`) and up to seven methods (`layer_norm`, `rms_norm`, `qk_norm_scores`,
+`batch_norm`, `softcap`, and for the F8 wirings `encoder_layer`, a whole Transformer
+encoder layer, and `fused_add_norm`, the residual add and norm that inference engines
+fuse); `capabilities.ops` says which it has. One more method is
 optional: `data_parallel_batch_norm` (claim family DP, BatchNorm trained on R replicas
 with the framework's own collectives), offered where `capabilities.data_parallel`
 names its modes. Arrays cross the
@@ -35,8 +36,9 @@ import numpy as np
 
 #: The normalization ops.
 NORM_OPS = ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm", "softcap")
-#: Whole blocks built around a normalization (F8's Post-LN / Pre-LN wirings).
-BLOCK_OPS = ("encoder_layer",)
+#: Whole blocks built around a normalization (F8's Post-LN / Pre-LN wirings), and the
+#: residual add fused with the norm that follows it (F8's Pre-LN as inference engines run it).
+BLOCK_OPS = ("encoder_layer", "fused_add_norm")
 OPS = NORM_OPS + BLOCK_OPS
 #: The dtypes arrays cross the boundary in, in the order runs and reports list them.
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -47,6 +49,8 @@ OPTIONAL_METHODS = ("data_parallel_batch_norm",)
 DATA_PARALLEL_MODES = ("local", "sync")
 #: What replicas do with BatchNorm's running statistics (buffers) between forwards.
 DATA_PARALLEL_BUFFERS = ("per_replica", "broadcast_rank0")
+#: The two arithmetic contracts of fused_add_norm (Conventions.fused_residual_sum).
+FUSED_RESIDUAL_SUMS = ("rounded", "float32")
 #: The half-precision ones: a conforming kernel computes them in float32.
 HALF_DTYPES = ("float16", "bfloat16")
 
@@ -93,6 +97,21 @@ class Result(NamedTuple):
 
     output: np.ndarray
     grad_input: np.ndarray | None = None
+    grad_weight: np.ndarray | None = None
+    grad_bias: np.ndarray | None = None
+
+
+class FusedAddNormResult(NamedTuple):
+    """What `fused_add_norm` returns: `output` (the normalized sum) and `residual` (the sum
+    x + residual written back in x's dtype) and, when grad_outputs were given, dL/dx,
+    dL/dresidual (the same value, as the sum passes its gradient to both addends; both
+    are returned because a kernel writes both), dL/dgamma and dL/dbeta (None where the
+    parameter is)."""
+
+    output: np.ndarray
+    residual: np.ndarray
+    grad_input: np.ndarray | None = None
+    grad_residual: np.ndarray | None = None
     grad_weight: np.ndarray | None = None
     grad_bias: np.ndarray | None = None
 
@@ -210,6 +229,19 @@ class Conventions:
         replaced by replica 0's: DistributedDataParallel's broadcast_buffers=True).
       sync_batch_norm_refused: cross-replica BatchNorm raises here (torch's
         SyncBatchNorm on CPU); a declared refusal turns those records into `refused`.
+      fused_residual_sum: which arithmetic contract `fused_add_norm` follows (F8), given
+        s = x + residual, written back as residual' = round_T(s) in both:
+        "rounded": the norm is taken of round_T(s), the sum rounded to the activation
+          dtype T: what eager framework code runs (`r = x + residual; y = norm(r)`), and
+          what vLLM's fused CUDA kernel did until vllm #52104 was fixed;
+        "float32": the norm (statistics and the normalized values alike) is taken of the
+          unrounded sum, as vLLM's native IR computes it (x and residual upcast to
+          float32, added, only the residual written back rounded), and its CUDA kernel
+          since that fix.
+        Both are conforming; the checks compare against the declared one, so a backend
+        that follows the other contract (or mixes them) fails in float16 and bfloat16,
+        where the two differ. In float32 and float64 they differ by one rounding in the
+        compute precision, which no bound tells apart.
     Declared, not verified (shown in the report as the backend's word):
       default_eps (per op, a number or a description), native_momentum (in words),
       half_compute_dtype (what float16/bfloat16 inputs are computed in).
@@ -229,6 +261,7 @@ class Conventions:
     deterministic: bool = True
     data_parallel_buffers: str = "per_replica"
     sync_batch_norm_refused: bool = False
+    fused_residual_sum: str = "rounded"
     reasons: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -244,6 +277,9 @@ class Conventions:
         if self.data_parallel_buffers not in DATA_PARALLEL_BUFFERS:
             raise ValueError(f"conventions.data_parallel_buffers must be one of "
                              f"{DATA_PARALLEL_BUFFERS}, got {self.data_parallel_buffers!r}")
+        if self.fused_residual_sum not in FUSED_RESIDUAL_SUMS:
+            raise ValueError(f"conventions.fused_residual_sum must be one of "
+                             f"{FUSED_RESIDUAL_SUMS}, got {self.fused_residual_sum!r}")
         if self.parameter_dtype not in (None, *DTYPES):
             raise ValueError(f"conventions.parameter_dtype must be None or one of {DTYPES}, "
                              f"got {self.parameter_dtype!r}")
@@ -259,6 +295,7 @@ class Conventions:
             "batch_invariant": self.batch_invariant, "deterministic": self.deterministic,
             "data_parallel_buffers": self.data_parallel_buffers,
             "sync_batch_norm_refused": self.sync_batch_norm_refused,
+            "fused_residual_sum": self.fused_residual_sum,
             "reasons": dict(self.reasons),
         }
 
@@ -371,6 +408,17 @@ class Backend:
         final_norm, when given as {"weight", "bias"}, adds a final LayerNorm on top, as
         torch.nn.TransformerEncoder(norm=...) does. Returns Result(output) and, with
         grad_output, grad_input; parameter gradients are not asked for."""
+        raise NotImplementedError
+
+    def fused_add_norm(self, x, residual, norm: str, normalized_shape, weight, bias, eps,
+                       grad_outputs=None) -> FusedAddNormResult:
+        """F8 Pre-LN as inference engines fuse it: s = x + residual, written back as the
+        new residual in x's dtype, and y = norm(s) over the trailing `normalized_shape`
+        axes, norm "rms_norm" (bias is then None) or "layer_norm"; x and residual have
+        the same shape and dtype. Which s the norm sees (the sum rounded to the dtype, or
+        the unrounded one) is the backend's declared `conventions.fused_residual_sum`.
+        grad_outputs, when given, is (dL/doutput, dL/dresidual'), the upstream gradients
+        of both outputs. Returns a FusedAddNormResult."""
         raise NotImplementedError
 
     def batch_norm(self, num_features: int, *, eps: float, momentum: float | None,

@@ -20,6 +20,7 @@ from .protocol import (
     BatchNormLayer,
     Capabilities,
     Conventions,
+    FusedAddNormResult,
     Result,
 )
 
@@ -55,7 +56,7 @@ class TorchBackend(Backend):
     capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
                                 op_dtypes={"encoder_layer": {"float32", "float64"}},
                                 gradients={"layer_norm", "rms_norm", "batch_norm",
-                                           "encoder_layer"},
+                                           "encoder_layer", "fused_add_norm"},
                                 no_grad_mode=True, cumulative_momentum=True, untracked_stats=True,
                                 data_parallel={"local", "sync"})
     conventions = Conventions(
@@ -67,7 +68,11 @@ class TorchBackend(Backend):
                   "batch_norm": False},
         half_compute_dtype="float32 (CPU kernels accumulate in float)",
         data_parallel_buffers="broadcast_rank0",
-        reasons={"data_parallel_buffers": "DistributedDataParallel(broadcast_buffers=True), "
+        fused_residual_sum="rounded",
+        reasons={"fused_residual_sum": "torch has no fused residual add + norm op; the "
+                                       "composition users write, r = x + residual, holds "
+                                       "the sum as a tensor of x's dtype before the norm",
+                 "data_parallel_buffers": "DistributedDataParallel(broadcast_buffers=True), "
                                           "its default, broadcasts rank 0's buffers to every "
                                           "rank at the start of each forward"},
     )
@@ -184,6 +189,25 @@ class TorchBackend(Backend):
             return Result(to_numpy(y))
         y.backward(to_torch(grad_output))
         return Result(to_numpy(y), to_numpy(x_t.grad))
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        """The eager composition: r = x + residual; y = F.rms_norm(r, ...) or
+        F.layer_norm(r, ...), autograd through both outputs."""
+        fn, grads = self.torch.nn.functional, grad_outputs is not None
+        x_t, r_t = to_torch(x).requires_grad_(grads), to_torch(residual).requires_grad_(grads)
+        w = None if weight is None else to_torch(weight).requires_grad_(grads)
+        b = None if bias is None else to_torch(bias).requires_grad_(grads)
+        r = x_t + r_t
+        shape = tuple(normalized_shape)
+        y = fn.rms_norm(r, shape, w, eps) if norm == "rms_norm" else \
+            fn.layer_norm(r, shape, w, b, eps)
+        if not grads:
+            return FusedAddNormResult(to_numpy(y), to_numpy(r))
+        self.torch.autograd.backward([y, r], [to_torch(g) for g in grad_outputs])
+        return FusedAddNormResult(to_numpy(y), to_numpy(r), to_numpy(x_t.grad),
+                                  to_numpy(r_t.grad), None if w is None else to_numpy(w.grad),
+                                  None if b is None else to_numpy(b.grad))
 
     def softcap(self, scores, cap):
         s = to_torch(scores)

@@ -29,6 +29,12 @@ from .data_parallel import (
     sync_batch_norm_train,
     sync_batch_norm_train_vjp,
 )
+from .fused_residual import (
+    FUSED_RESIDUAL_SUMS,
+    fused_add_norm,
+    fused_add_norm_vjp,
+    fused_residual_sum,
+)
 from .layer_norm import layer_norm, layer_norm_vjp
 from .rms_norm import RMS_NORM_DEFAULT_EPS, rms_norm, rms_norm_vjp
 from .rounding import round_to, ulp, ulp_distance
@@ -50,6 +56,7 @@ from .variants import VARIANTS, Variant, variant, variants_for
 __all__ = [
     "ENCODER_LAYER_PARAMS",
     "FLOAT_DTYPES",
+    "FUSED_RESIDUAL_SUMS",
     "RMS_NORM_DEFAULT_EPS",
     "VARIANTS",
     "SingleValuePerChannelError",
@@ -60,6 +67,9 @@ __all__ = [
     "batch_norm_train_vjp",
     "feed_forward",
     "feed_forward_vjp",
+    "fused_add_norm",
+    "fused_add_norm_vjp",
+    "fused_residual_sum",
     "gelu",
     "layer_norm",
     "layer_norm_vjp",

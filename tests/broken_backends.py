@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import normspec.spec as spec
 import numpy as np
 from normspec.impls.numpy_ref import NumpyBackend, NumpyBatchNorm, compute_dtype
 from normspec.impls.protocol import Conventions, Result
@@ -919,3 +920,61 @@ class SwapsLnWiring(OracleBackend):
 
     def encoder_layer(self, x, params, num_heads, *, norm_first, **kw):
         return super().encoder_layer(x, params, num_heads, norm_first=not norm_first, **kw)
+
+
+_FLOAT32_SUM = dataclasses.replace(OracleBackend.conventions, fused_residual_sum="float32")
+
+
+class MixesFusedContracts(OracleBackend):
+    """Declares the float32 contract of fused add + norm (F8) but takes the statistics
+    from the residual it has just written back, the sum rounded to the dtype (vLLM's CUDA
+    kernel before #52104 fixed it), while normalizing the unrounded sum."""
+
+    conventions = _FLOAT32_SUM
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        res = super().fused_add_norm(x, residual, norm, normalized_shape, weight, bias, eps,
+                                     grad_outputs)
+        s = x.astype(np.float64) + residual.astype(np.float64)
+        stats_of = spec.round_to(s, x.dtype).astype(np.float64)
+        axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+        if norm == "layer_norm":
+            mu = stats_of.mean(axis=axes, keepdims=True)
+            y = (s - mu) / np.sqrt(((stats_of - mu) ** 2).mean(axis=axes, keepdims=True) + eps)
+        else:
+            y = s / np.sqrt((stats_of * stats_of).mean(axis=axes, keepdims=True) + eps)
+        y = y * weight.astype(np.float64) if weight is not None else y
+        y = y + bias.astype(np.float64) if bias is not None else y
+        return res._replace(output=spec.round_to(y, x.dtype))
+
+
+class DeclaresFloat32ButRounds(OracleBackend):
+    """Follows the rounded contract of fused add + norm (the norm of the sum rounded to the
+    dtype) while its conventions declare the float32 one."""
+
+    conventions = _FLOAT32_SUM
+
+    def fused_add_norm(self, x, residual, *args, **kw):
+        self.conventions = OracleBackend.conventions  # computes as "rounded" ...
+        try:
+            return super().fused_add_norm(x, residual, *args, **kw)
+        finally:
+            self.conventions = _FLOAT32_SUM  # ... and says "float32"
+
+
+class UnaddedResidual(OracleBackend):
+    """Fused add + norm that writes back the residual it was given, not x + residual."""
+
+    def fused_add_norm(self, x, residual, *args, **kw):
+        return super().fused_add_norm(x, residual, *args, **kw)._replace(residual=residual.copy())
+
+
+class DropsResidualGradient(OracleBackend):
+    """Fused add + norm whose backward forgets the written-back residual's upstream
+    gradient: dL/dx = J_norm^T g_y only."""
+
+    def fused_add_norm(self, x, residual, *args, grad_outputs=None):
+        if grad_outputs is not None:
+            grad_outputs = (grad_outputs[0], np.zeros_like(grad_outputs[1]))
+        return super().fused_add_norm(x, residual, *args, grad_outputs=grad_outputs)

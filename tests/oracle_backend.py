@@ -14,6 +14,7 @@ from normspec.impls.protocol import (
     Capabilities,
     Conventions,
     DataParallelResult,
+    FusedAddNormResult,
     Result,
 )
 
@@ -27,7 +28,7 @@ class OracleBackend(Backend):
     version = "float64 oracle, rounded once"
     capabilities = Capabilities(ops=OPS, dtypes=DTYPES,
                                 gradients={"layer_norm", "rms_norm", "batch_norm",
-                                           "encoder_layer"},
+                                           "encoder_layer", "fused_add_norm"},
                                 no_grad_mode=True, cumulative_momentum=True, untracked_stats=True,
                                 data_parallel={"local", "sync"})
     conventions = Conventions(default_eps={"layer_norm": 1e-5, "rms_norm": 1e-6,
@@ -71,6 +72,18 @@ class OracleBackend(Backend):
         else:
             gx = spec.transformer_encoder_layer_vjp(x, grad_output, params, num_heads, **kw)[0]
         return Result(_r(y, x.dtype), _r(gx, x.dtype))
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        """spec.fused_add_norm(_vjp) under the declared contract (conventions)."""
+        kw = {"contract": self.conventions.fused_residual_sum}
+        args = (norm, normalized_shape, weight, bias, eps)
+        y, res = spec.fused_add_norm(x, residual, *args, **kw)
+        if grad_outputs is None:
+            return FusedAddNormResult(_r(y, x.dtype), _r(res, x.dtype))
+        grads = spec.fused_add_norm_vjp(x, residual, *grad_outputs, *args, **kw)
+        return FusedAddNormResult(_r(y, x.dtype), _r(res, x.dtype),
+                                  *(_r(g, x.dtype) for g in grads))
 
     def data_parallel_batch_norm(self, steps, *, sync, eps, momentum, dtype, weight, bias,
                                  grad_outputs=None):

@@ -18,6 +18,8 @@ CATCHES = {
     "F8.post_ln": (bb.SwapsLnWiring, "float32"),
     "F8.pre_ln": (bb.SwapsLnWiring, "float32"),
     "F8.pre_ln_stack": (bb.SwapsLnWiring, "float32"),
+    "F8.fused_add_rms_norm": (bb.UnaddedResidual, "float32"),
+    "F8.fused_add_layer_norm": (bb.MixesFusedContracts, "float16"),
     "F2.values": (bb.DropsTail, "float32"),
     "F3.values": (bb.RmsSubtractsMean, "float32"),
     "F1.values": (bb.UnbiasedForward, "float32"),
@@ -130,6 +132,17 @@ DEFECTS = {
                                                              "DP2.sync_global", "float64"),
     "a local BatchNorm that reduces statistics across replicas (E4 split)": (
         bb.DpLocalUsesGlobalStats, "DP1.e4_split", "float64"),
+    # issue #15 part 2, fused residual add + norm (F8)
+    "fused add + LayerNorm: statistics of the rounded sum, float32 declared (bfloat16)": (
+        bb.MixesFusedContracts, "F8.fused_add_layer_norm", "bfloat16"),
+    "fused add + norm: the rounded contract followed, float32 declared": (
+        bb.DeclaresFloat32ButRounds, "F8.fused_add_layer_norm", "float16"),
+    "fused add + LayerNorm that writes back the un-added residual": (
+        bb.UnaddedResidual, "F8.fused_add_layer_norm", "float32"),
+    "fused add + RMSNorm whose backward drops the residual's gradient": (
+        bb.DropsResidualGradient, "F8.fused_add_rms_norm", "float32"),
+    "fused add + LayerNorm whose backward drops the residual's gradient": (
+        bb.DropsResidualGradient, "F8.fused_add_layer_norm", "bfloat16"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}

@@ -43,7 +43,8 @@ def check(id: str, *, title: str, ops: tuple[str, ...], needs: tuple[str, ...] =
 #: The families, in the order the report shows them.
 FAMILIES = ("worked_examples", "values", "gradients", "invariance", "batchnorm_state",
             "batchnorm_matrix", "accumulation", "data_parallel", "qk_bound", "robustness",
-            "shapes", "batch_invariance", "wirings", "rounding", "contract")
+            "shapes", "batch_invariance", "wirings", "fused_residual", "rounding",
+            "contract")
 
 
 def all_checks() -> list[Check]:
