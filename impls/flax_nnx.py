@@ -189,7 +189,7 @@ class FlaxBackend(Backend):
                        grad_outputs=None):
         """The composition a Flax model writes: r = x + residual, y = nnx.RMSNorm or
         nnx.LayerNorm of r (jitted), jax.vjp through both outputs."""
-        jax, jnp, nnx = self.jax, self.jnp, self.nnx
+        jax, nnx = self.jax, self.nnx
         shape = tuple(normalized_shape)
         m, names = self._norm_module(norm, x.dtype, shape, weight, bias, eps)
         graphdef, params, rest = nnx.split(m, nnx.Param, ...)
@@ -207,10 +207,10 @@ class FlaxBackend(Backend):
 
             fn = self._cache[key] = jax.jit(forward_and_vjp if grads else forward)
         if not grads:
-            y, r = fn(jnp.asarray(x), jnp.asarray(residual), params)
+            y, r = fn(self._dev(x), self._dev(residual), params)
             return FusedAddNormResult(_np(y), _np(r))
-        (y, r), (gx, gres, gp) = fn(jnp.asarray(x), jnp.asarray(residual), params,
-                                    *(jnp.asarray(g) for g in grad_outputs))
+        (y, r), (gx, gres, gp) = fn(self._dev(x), self._dev(residual), params,
+                                    *(self._dev(g) for g in grad_outputs))
         gw, gb = (None if n is None else _np(gp[n].get_value()).reshape(shape)
                   for n in (names + [None])[:2])
         return FusedAddNormResult(_np(y), _np(r), _np(gx), _np(gres), gw, gb)
