@@ -79,7 +79,7 @@ def test_triton_interpreter_declares_its_row_limit(results_by_backend):
         pytest.skip("a GPU is present: triton runs compiled, with no row limit")
     records = results_by_backend("triton", ["F2/F3.row_counts"])
     limited = [r for r in records if r["status"] == "unsupported"]
-    assert limited and all("max_rows = 64" in r["message"] and "interpreter" in r["message"]
+    assert limited and all("max_rows = 4096" in r["message"] and "interpreter" in r["message"]
                            for r in limited)
     assert any(r["status"] == "pass" for r in records)
 

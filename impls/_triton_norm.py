@@ -1,0 +1,252 @@
+"""The triton backend's kernels: LayerNorm and RMSNorm forward and backward, the
+dL/dgamma, dL/dbeta group reduction, and the BatchNorm forward.
+
+Laid out as Triton's LayerNorm tutorial (05-layer-norm) lays them out, so a reader of it
+reads these at sight: kernels at module level, row strides passed in, a forward that
+keeps the row in registers when it fits one block, and a backward that reduces dW/dB
+through a [GROUP_SIZE_M, N] partial buffer and a second small kernel instead of a full
+[rows, N] buffer. Two changes, each for a reason:
+
+- A program handles a [BLOCK_M, BLOCK_N] tile of BLOCK_M rows, not one row: for small N
+  one row leaves most of a program idle (a common production layout), and Triton's
+  interpreter, which runs every program as Python, costs per program.
+- The backward launches GROUP_SIZE_M programs, each walking the row blocks whose index
+  is its own modulo GROUP_SIZE_M (the tutorial's `row % GROUP_SIZE_M` lock id) and so
+  the only writer of its row of the partial buffer: no lock, and the same bits every
+  call (the backend declares `deterministic`).
+
+Statistics accumulate in float32 (float64 for float64 inputs, ACC64); the variance is
+two-pass, so a large mean does not cancel it. Imported by the triton adapter only when
+the backend is loaded (it imports triton, whose interpreter must be chosen before).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
+             CENTRE: tl.constexpr, ACC64: tl.constexpr):
+    """Y = (X - mean) * rstd * W (+ B), for BLOCK_M rows of X per program.
+
+    CENTRE (LayerNorm): two-pass mean and centred sum of squares; otherwise (RMSNorm)
+    the mean is 0, the raw mean square is used and B is not read. Mean and Rstd (1/std)
+    are stored per row for the backward. ONE_BLOCK (N <= BLOCK_N): the row is loaded once
+    and stays in registers; otherwise three passes over column blocks."""
+    acc_t = tl.float64 if ACC64 else tl.float32
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    # 64-bit row offsets: rows * stride passes 2**31 on large inputs
+    X += rows.to(tl.int64)[:, None] * stride_xm
+    Y += rows.to(tl.int64)[:, None] * stride_ym
+    if ONE_BLOCK:
+        cols = tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols[None, :] < N)
+        x = tl.load(X + cols[None, :] * stride_xn, mask=mask, other=0.0).to(acc_t)
+        if CENTRE:
+            mean = tl.sum(x, axis=1) / N
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        else:
+            mean = tl.zeros([BLOCK_M], dtype=acc_t)
+            xc = x
+        var = tl.sum(xc * xc, axis=1) / N
+        # padding rows get 1, not eps: no division by zero where eps = 0
+        rstd = 1.0 / tl.sqrt(tl.where(row_ok, var + eps, 1.0))
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
+        y = xc * rstd[:, None] * w[None, :]
+        if CENTRE:
+            y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
+        tl.store(Y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        mean = tl.zeros([BLOCK_M], dtype=acc_t)
+        if CENTRE:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+            for off in range(0, N, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = row_ok[:, None] & (cols[None, :] < N)
+                total += tl.load(X + cols[None, :] * stride_xn, mask=mask, other=0.0).to(acc_t)
+            mean = tl.sum(total, axis=1) / N
+        sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (cols[None, :] < N)
+            x = tl.load(X + cols[None, :] * stride_xn, mask=mask, other=0.0).to(acc_t)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            sq += xc * xc
+        var = tl.sum(sq, axis=1) / N
+        rstd = 1.0 / tl.sqrt(tl.where(row_ok, var + eps, 1.0))
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (cols[None, :] < N)
+            x = tl.load(X + cols[None, :] * stride_xn, mask=mask, other=0.0).to(acc_t)
+            w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
+            y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
+            if CENTRE:
+                y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
+            tl.store(Y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + rows, mean, mask=row_ok)
+    tl.store(Rstd + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, stride_gn,
+             stride_dxm, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             ONE_BLOCK: tl.constexpr, CENTRE: tl.constexpr, ACC64: tl.constexpr):
+    """dx = rstd (h - mean(h) - x_hat mean(h x_hat)), h = g W (RMSNorm: without the
+    mean(h) term), and this program's share of dW = sum g x_hat and dB = sum g.
+
+    Program p of GROUP_SIZE_M = num_programs walks row blocks p, p + GROUP_SIZE_M, ...
+    and adds its rows' dW, dB into row p of the partial buffers DW, DB ([GROUP_SIZE_M, N],
+    zeroed by the caller; DB is not touched without CENTRE); `group_sum` then adds the
+    GROUP_SIZE_M rows. ONE_BLOCK: the row and the program's dW, dB tile stay in
+    registers; otherwise each row block makes two passes over column blocks."""
+    acc_t = tl.float64 if ACC64 else tl.float32
+    group = tl.program_id(0)
+    n_groups = tl.num_programs(0)
+    DW += group * N
+    DB += group * N
+    if ONE_BLOCK:
+        cols = tl.arange(0, BLOCK_N)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
+        dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+        db = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+        for start in range(group * BLOCK_M, M, n_groups * BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            mask = row_ok[:, None] & (cols[None, :] < N)
+            r64 = rows.to(tl.int64)[:, None]
+            x = tl.load(X + r64 * stride_xm + cols[None, :] * stride_xn, mask=mask,
+                        other=0.0).to(acc_t)
+            g = tl.load(G + r64 * stride_gm + cols[None, :] * stride_gn, mask=mask,
+                        other=0.0).to(acc_t)
+            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            h = g * w[None, :]
+            c1 = tl.sum(h * xhat, axis=1) / N
+            if CENTRE:
+                c2 = tl.sum(h, axis=1) / N
+                dx = (h - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+                db += g
+            else:
+                dx = (h - xhat * c1[:, None]) * rstd[:, None]
+            tl.store(DX + r64 * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            dw += g * xhat
+        tl.store(DW + cols, tl.sum(dw, axis=0), mask=cols < N)
+        if CENTRE:
+            tl.store(DB + cols, tl.sum(db, axis=0), mask=cols < N)
+    else:
+        for start in range(group * BLOCK_M, M, n_groups * BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            r64 = rows.to(tl.int64)[:, None]
+            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+            sh = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+            shx = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+            for off in range(0, N, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = row_ok[:, None] & (cols[None, :] < N)
+                x = tl.load(X + r64 * stride_xm + cols[None, :] * stride_xn, mask=mask,
+                            other=0.0).to(acc_t)
+                g = tl.load(G + r64 * stride_gm + cols[None, :] * stride_gn, mask=mask,
+                            other=0.0).to(acc_t)
+                w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                h = g * w[None, :]
+                sh += h
+                shx += h * xhat
+            c1 = tl.sum(shx, axis=1) / N
+            c2 = tl.sum(sh, axis=1) / N
+            for off in range(0, N, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = row_ok[:, None] & (cols[None, :] < N)
+                x = tl.load(X + r64 * stride_xm + cols[None, :] * stride_xn, mask=mask,
+                            other=0.0).to(acc_t)
+                g = tl.load(G + r64 * stride_gm + cols[None, :] * stride_gn, mask=mask,
+                            other=0.0).to(acc_t)
+                w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                h = g * w[None, :]
+                if CENTRE:
+                    dx = (h - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+                else:
+                    dx = (h - xhat * c1[:, None]) * rstd[:, None]
+                tl.store(DX + r64 * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty),
+                         mask=mask)
+                # this program is the only writer of its partial row: a plain
+                # read-add-store, no lock
+                cmask = cols < N
+                tl.store(DW + cols, tl.load(DW + cols, mask=cmask, other=0.0)
+                         + tl.sum(g * xhat, axis=0), mask=cmask)
+                if CENTRE:
+                    tl.store(DB + cols, tl.load(DB + cols, mask=cmask, other=0.0)
+                             + tl.sum(g, axis=0), mask=cmask)
+
+
+@triton.jit
+def group_sum(DW, DB, FINAL_DW, FINAL_DB, GROUPS, N, HAS_DW: tl.constexpr,
+              HAS_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """FINAL_DW[j] = sum over the GROUPS rows of DW[:, j] (and FINAL_DB from DB), stored
+    in the parameters' dtype: the tutorial's `_layer_norm_bwd_dwdb`, BLOCK_N columns per
+    program, in a fixed order."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=DW.dtype.element_ty)
+    db = tl.zeros([BLOCK_M, BLOCK_N], dtype=DW.dtype.element_ty)
+    for start in range(0, GROUPS, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < GROUPS) & (cols[None, :] < N)
+        offs = rows[:, None] * N + cols[None, :]
+        if HAS_DW:
+            dw += tl.load(DW + offs, mask=mask, other=0.0)
+        if HAS_DB:
+            db += tl.load(DB + offs, mask=mask, other=0.0)
+    if HAS_DW:
+        tl.store(FINAL_DW + cols, tl.sum(dw, axis=0).to(FINAL_DW.dtype.element_ty),
+                 mask=cols < N)
+    if HAS_DB:
+        tl.store(FINAL_DB + cols, tl.sum(db, axis=0).to(FINAL_DB.dtype.element_ty),
+                 mask=cols < N)
+
+
+@triton.jit
+def bn_fwd(X, W, B, Y, Mean, Var, N, C, L, eps, USE_BATCH: tl.constexpr,
+           BLOCK: tl.constexpr, ACC64: tl.constexpr):
+    """One program per channel of an [N, C, L] input; with USE_BATCH the channel's
+    statistics over N and L (biased variance, two-pass) are computed and stored,
+    otherwise Mean/Var are read (eval)."""
+    c = tl.program_id(0)
+    acc_t = tl.float64 if ACC64 else tl.float32
+    m = N * L
+    if USE_BATCH:
+        total = tl.zeros([BLOCK], dtype=acc_t)
+        for off in range(0, m, BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            ptr = X + (idx // L) * C * L + c * L + idx % L
+            total += tl.load(ptr, mask=idx < m, other=0.0).to(acc_t)
+        mean = tl.sum(total, axis=0) / m
+        sq = tl.zeros([BLOCK], dtype=acc_t)
+        for off in range(0, m, BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            ptr = X + (idx // L) * C * L + c * L + idx % L
+            x = tl.load(ptr, mask=idx < m, other=0.0).to(acc_t)
+            d = tl.where(idx < m, x - mean, 0.0)
+            sq += d * d
+        var = tl.sum(sq, axis=0) / m
+        tl.store(Mean + c, mean)
+        tl.store(Var + c, var)
+    else:
+        mean = tl.load(Mean + c).to(acc_t)
+        var = tl.load(Var + c).to(acc_t)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(W + c).to(acc_t)
+    b = tl.load(B + c).to(acc_t)
+    for off in range(0, m, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        ptr_off = (idx // L) * C * L + c * L + idx % L
+        x = tl.load(X + ptr_off, mask=idx < m, other=0.0).to(acc_t)
+        tl.store(Y + ptr_off, ((x - mean) * rstd * w + b).to(Y.dtype.element_ty),
+                 mask=idx < m)
