@@ -102,7 +102,9 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
     and adds its rows' dW, dB into row p of the partial buffers DW, DB ([GROUP_SIZE_M, N],
     zeroed by the caller; DB is not touched without CENTRE); `group_sum` then adds the
     GROUP_SIZE_M rows. ONE_BLOCK: the row and the program's dW, dB tile stay in
-    registers; otherwise each row block makes two passes over column blocks."""
+    registers, and a lone program (GROUP_SIZE_M = 1) may be handed the final dW, dB
+    buffers, its row being the sum; otherwise each row block makes two passes over
+    column blocks."""
     acc_t = tl.float64 if ACC64 else tl.float32
     group = tl.program_id(0)
     n_groups = tl.num_programs(0)
@@ -135,9 +137,10 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
                 dx = (h - xhat * c1[:, None]) * rstd[:, None]
             tl.store(DX + r64 * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             dw += g * xhat
-        tl.store(DW + cols, tl.sum(dw, axis=0), mask=cols < N)
+        # cast to DW's dtype: with one group the caller passes the final buffers
+        tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=cols < N)
         if CENTRE:
-            tl.store(DB + cols, tl.sum(db, axis=0), mask=cols < N)
+            tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=cols < N)
     else:
         for start in range(group * BLOCK_M, M, n_groups * BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
@@ -213,40 +216,50 @@ def group_sum(DW, DB, FINAL_DW, FINAL_DB, GROUPS, N, HAS_DW: tl.constexpr,
 
 
 @triton.jit
-def bn_fwd(X, W, B, Y, Mean, Var, N, C, L, eps, USE_BATCH: tl.constexpr,
-           BLOCK: tl.constexpr, ACC64: tl.constexpr):
-    """One program per channel of an [N, C, L] input; with USE_BATCH the channel's
-    statistics over N and L (biased variance, two-pass) are computed and stored,
-    otherwise Mean/Var are read (eval)."""
-    c = tl.program_id(0)
+def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps,
+           USE_BATCH: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+           ACC64: tl.constexpr):
+    """BatchNorm forward of an [N, C, L] input (strides passed in), BLOCK_C channels a
+    program, each channel's N * L samples walked BLOCK_M at a time; Y is contiguous.
+    With USE_BATCH the channels' statistics (biased variance, two-pass) are computed and
+    stored, otherwise Mean and Var are read (eval)."""
     acc_t = tl.float64 if ACC64 else tl.float32
+    chans = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = chans < C
+    X += chans.to(tl.int64)[:, None] * stride_xc
+    Y += chans.to(tl.int64)[:, None] * L
     m = N * L
     if USE_BATCH:
-        total = tl.zeros([BLOCK], dtype=acc_t)
-        for off in range(0, m, BLOCK):
-            idx = off + tl.arange(0, BLOCK)
-            ptr = X + (idx // L) * C * L + c * L + idx % L
-            total += tl.load(ptr, mask=idx < m, other=0.0).to(acc_t)
-        mean = tl.sum(total, axis=0) / m
-        sq = tl.zeros([BLOCK], dtype=acc_t)
-        for off in range(0, m, BLOCK):
-            idx = off + tl.arange(0, BLOCK)
-            ptr = X + (idx // L) * C * L + c * L + idx % L
-            x = tl.load(ptr, mask=idx < m, other=0.0).to(acc_t)
-            d = tl.where(idx < m, x - mean, 0.0)
-            sq += d * d
-        var = tl.sum(sq, axis=0) / m
-        tl.store(Mean + c, mean)
-        tl.store(Var + c, var)
+        total = tl.zeros([BLOCK_C, BLOCK_M], dtype=acc_t)
+        for off in range(0, m, BLOCK_M):
+            idx = off + tl.arange(0, BLOCK_M)
+            mask = c_ok[:, None] & (idx < m)[None, :]
+            sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
+            total += tl.load(X + sample[None, :], mask=mask, other=0.0).to(acc_t)
+        mean = tl.sum(total, axis=1) / m
+        sq = tl.zeros([BLOCK_C, BLOCK_M], dtype=acc_t)
+        for off in range(0, m, BLOCK_M):
+            idx = off + tl.arange(0, BLOCK_M)
+            mask = c_ok[:, None] & (idx < m)[None, :]
+            sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
+            x = tl.load(X + sample[None, :], mask=mask, other=0.0).to(acc_t)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            sq += xc * xc
+        var = tl.sum(sq, axis=1) / m
+        tl.store(Mean + chans, mean, mask=c_ok)
+        tl.store(Var + chans, var, mask=c_ok)
     else:
-        mean = tl.load(Mean + c).to(acc_t)
-        var = tl.load(Var + c).to(acc_t)
-    rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(W + c).to(acc_t)
-    b = tl.load(B + c).to(acc_t)
-    for off in range(0, m, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        ptr_off = (idx // L) * C * L + c * L + idx % L
-        x = tl.load(X + ptr_off, mask=idx < m, other=0.0).to(acc_t)
-        tl.store(Y + ptr_off, ((x - mean) * rstd * w + b).to(Y.dtype.element_ty),
-                 mask=idx < m)
+        mean = tl.load(Mean + chans, mask=c_ok, other=0.0).to(acc_t)
+        var = tl.load(Var + chans, mask=c_ok, other=0.0).to(acc_t)
+    # padding channels get 1, not eps: no division by zero where eps = 0
+    rstd = 1.0 / tl.sqrt(tl.where(c_ok, var + eps, 1.0))
+    w = tl.load(W + chans, mask=c_ok, other=0.0).to(acc_t)
+    b = tl.load(B + chans, mask=c_ok, other=0.0).to(acc_t)
+    for off in range(0, m, BLOCK_M):
+        idx = off + tl.arange(0, BLOCK_M)
+        mask = c_ok[:, None] & (idx < m)[None, :]
+        sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
+        x = tl.load(X + sample[None, :], mask=mask, other=0.0).to(acc_t)
+        y = (x - mean[:, None]) * rstd[:, None] * w[:, None] + b[:, None]
+        out = (idx // L).to(tl.int64) * C * L + idx % L
+        tl.store(Y + out[None, :], y.to(Y.dtype.element_ty), mask=mask)

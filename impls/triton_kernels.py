@@ -70,10 +70,6 @@ def _row_blocks(d: int) -> tuple[int, int, bool]:
     return max(1, TILE // block_n), block_n, d <= block_n
 
 
-def _block(n):
-    return int(min(TILE, max(16, _pow2(n))))
-
-
 class TritonBackend(Backend):
     name = "triton"
     capabilities = Capabilities(
@@ -104,8 +100,8 @@ class TritonBackend(Backend):
     def _t(self, a):
         return to_torch(np.ascontiguousarray(a), self.device)
 
-    def _rows(self, a, d):
-        """a as a [rows, d] torch tensor for a kernel that takes its strides: a view of
+    def _view(self, a, *shape):
+        """a reshaped to `shape` as a torch tensor for a kernel that takes its strides: a view of
         a's own memory where its strides allow (a strided last axis or an offset slice
         reach the kernel as they are), else a contiguous copy."""
         a = np.asarray(a)
@@ -114,8 +110,8 @@ class TritonBackend(Backend):
             t = self.torch.from_numpy(a.view(np.int16) if a.dtype == BF16 else a)
             if a.dtype == BF16:
                 t = t.view(self.torch.bfloat16)
-            return t.reshape(-1, d)
-        return self._t(a).reshape(-1, d)
+            return t.reshape(shape)
+        return self._t(a).reshape(shape)
 
     def _param(self, p, d, like, fill):
         if p is None:
@@ -131,7 +127,7 @@ class TritonBackend(Backend):
     def _norm(self, x, normalized_shape, weight, bias, eps, grad_output, centre):
         torch, cdiv = self.torch, self.triton.cdiv
         d = int(np.prod(normalized_shape))
-        xr = self._rows(x, d)
+        xr = self._view(x, -1, d)
         rows = xr.shape[0]
         a64 = x.dtype == np.float64
         acc = torch.float64 if a64 else torch.float32
@@ -149,19 +145,27 @@ class TritonBackend(Backend):
         out = to_numpy(y).reshape(x.shape)
         if grad_output is None:
             return Result(out)
-        g = self._rows(grad_output, d)
+        g = self._view(grad_output, -1, d)
         dx = torch.empty((rows, d), dtype=dt, device=self.device)
         groups = min(GROUP_SIZE_M, cdiv(rows, block_m))
-        # zeroed: the long-row path adds into its partial row
-        dw_part = torch.zeros((groups, d), dtype=acc, device=self.device)
-        db_part = torch.zeros((groups, d), dtype=acc, device=self.device) if centre else dw_part
+        gw = torch.empty(d, dtype=dt, device=self.device) if weight is not None else None
+        gb = torch.empty(d, dtype=dt, device=self.device) if bias is not None else None
+        # one program holding whole rows: its partial row is the sum, so it writes the
+        # final buffers (in the parameters' dtype) and group_sum is not launched
+        direct = one and groups == 1
+        if direct:
+            dw_part = gw if gw is not None else torch.empty(d, dtype=acc, device=self.device)
+            db_part = gb if gb is not None else torch.empty(d, dtype=acc, device=self.device)
+        else:
+            # zeroed: the long-row path adds into its partial row
+            dw_part = torch.zeros((groups, d), dtype=acc, device=self.device)
+            db_part = torch.zeros((groups, d), dtype=acc, device=self.device) if centre \
+                else dw_part
         self.k.norm_bwd[(groups,)](
             xr, g, w, mean, rstd, dx, dw_part, db_part, xr.stride(0), xr.stride(1),
             g.stride(0), g.stride(1), dx.stride(0), rows, d, BLOCK_M=block_m,
             BLOCK_N=block_n, ONE_BLOCK=one, CENTRE=centre, ACC64=a64)
-        gw = torch.empty(d, dtype=dt, device=self.device) if weight is not None else None
-        gb = torch.empty(d, dtype=dt, device=self.device) if bias is not None else None
-        if gw is not None or gb is not None:
+        if not direct and (gw is not None or gb is not None):
             sum_m = min(SUM_BLOCK_M, _pow2(groups))
             sum_n = min(_pow2(d), max(1, TILE // sum_m))
             self.k.group_sum[(cdiv(d, sum_n),)](
@@ -189,7 +193,7 @@ class TritonBackend(Backend):
 
 
 class TritonBatchNorm(RunningStatsLayer):
-    """Training forward in one Triton kernel per channel; the running-statistics update
+    """Training forward in one Triton kernel, BLOCK_C channels a program; the running-statistics update
     (unbiased, momentum weighting the new batch) is RunningStats' few elementwise ops."""
 
     def __init__(self, b, c, eps, momentum, affine, track, dtype, weight, bias):
@@ -209,7 +213,7 @@ class TritonBatchNorm(RunningStatsLayer):
             raise NotImplementedError("the triton backend has no BatchNorm backward kernel")
         b, torch = self.b, self.b.torch
         n, c = x.shape[:2]
-        x3 = b._t(np.ascontiguousarray(x).reshape(n, c, -1))
+        x3 = b._view(x, n, c, -1)
         length = x3.shape[2]
         m = n * length
         batch = self.training or not self.stats.tracked
@@ -221,10 +225,14 @@ class TritonBatchNorm(RunningStatsLayer):
             var = torch.empty(c, dtype=self.acc, device=b.device)
         else:
             mean, var = b._t(self.stats.mean), b._t(self.stats.var)
-        y = torch.empty_like(x3)
-        b.k.bn_fwd[(c,)](x3, self.w, self.bias, y, mean, var, n, c, length, float(self.eps),
-                            USE_BATCH=batch, BLOCK=_block(min(m, 4096)),
-                            ACC64=self.acc == torch.float64)
+        y = torch.empty((n, c, length), dtype=x3.dtype, device=b.device)
+        # a tile of whole channels where the samples fit, so small inputs take one program
+        block_m = min(_pow2(m), TILE)
+        block_c = min(_pow2(c), max(1, TILE // block_m))
+        b.k.bn_fwd[(b.triton.cdiv(c, block_c),)](
+            x3, y, self.w, self.bias, mean, var, x3.stride(0), x3.stride(1), x3.stride(2), n, c,
+            length, float(self.eps), USE_BATCH=batch, BLOCK_C=block_c, BLOCK_M=block_m,
+            ACC64=self.acc == torch.float64)
         if self.training and self.stats.tracked:
             self.stats.update(to_numpy(mean), to_numpy(var) * m, m)
         return Result(to_numpy(y).reshape(x.shape))
