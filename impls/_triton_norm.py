@@ -30,27 +30,28 @@ import triton.language as tl
 def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
              CENTRE: tl.constexpr, ACC64: tl.constexpr):
-    """Y = (X - mean) * rstd * W (+ B), for BLOCK_M rows of X per program.
+    """Y = (X - mean) * rstd * W (+ B).
 
     CENTRE (LayerNorm): two-pass mean and centred sum of squares; otherwise (RMSNorm)
     the mean is 0, the raw mean square is used and B is not read. Mean and Rstd (1/std)
-    are stored per row for the backward. ONE_BLOCK (N <= BLOCK_N): the row is loaded once
-    and stays in registers; otherwise three passes over column blocks."""
+    are stored per row for the backward. ONE_BLOCK (N <= BLOCK_N): a program loads a
+    [BLOCK_M, BLOCK_N] tile of BLOCK_M rows once and keeps it in registers; otherwise
+    (BLOCK_M = 1) it takes one row in three passes over column blocks, as the tutorial."""
     acc_t = tl.float64 if ACC64 else tl.float32
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    # 64-bit row offsets: rows * stride passes 2**31 on large inputs
-    X += rows.to(tl.int64)[:, None] * stride_xm
-    Y += rows.to(tl.int64)[:, None] * stride_ym
     if ONE_BLOCK:
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
         cols = tl.arange(0, BLOCK_N)
         mask = row_ok[:, None] & (cols[None, :] < N)
-        x = tl.load(X + cols[None, :] * stride_xn, mask=mask, other=0.0).to(acc_t)
+        # 64-bit row offsets: rows * stride passes 2**31 on large inputs
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_xm + cols[None, :] * stride_xn, mask=mask,
+                    other=0.0).to(acc_t)
         if CENTRE:
             mean = tl.sum(x, axis=1) / N
             xc = tl.where(mask, x - mean[:, None], 0.0)
         else:
-            mean = tl.zeros([BLOCK_M], dtype=acc_t)
+            mean = 0.0
             xc = x
         var = tl.sum(xc * xc, axis=1) / N
         # padding rows get 1, not eps: no division by zero where eps = 0
@@ -59,36 +60,38 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
         y = xc * rstd[:, None] * w[None, :]
         if CENTRE:
             y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
-        tl.store(Y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + r64 * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Mean + rows, mean, mask=row_ok)
+        tl.store(Rstd + rows, rstd, mask=row_ok)
     else:
-        mean = tl.zeros([BLOCK_M], dtype=acc_t)
+        row = tl.program_id(0)
+        X += tl.cast(row, tl.int64) * stride_xm
+        Y += tl.cast(row, tl.int64) * stride_ym
+        mean = 0.0
         if CENTRE:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+            total = tl.zeros([BLOCK_N], dtype=acc_t)
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
-                mask = row_ok[:, None] & (cols[None, :] < N)
-                total += tl.load(X + cols[None, :] * stride_xn, mask=mask, other=0.0).to(acc_t)
-            mean = tl.sum(total, axis=1) / N
-        sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+                total += tl.load(X + cols * stride_xn, mask=cols < N, other=0.0).to(acc_t)
+            mean = tl.sum(total, axis=0) / N
+        sq = tl.zeros([BLOCK_N], dtype=acc_t)
         for off in range(0, N, BLOCK_N):
             cols = off + tl.arange(0, BLOCK_N)
-            mask = row_ok[:, None] & (cols[None, :] < N)
-            x = tl.load(X + cols[None, :] * stride_xn, mask=mask, other=0.0).to(acc_t)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
+            x = tl.load(X + cols * stride_xn, mask=cols < N, other=0.0).to(acc_t)
+            xc = tl.where(cols < N, x - mean, 0.0)
             sq += xc * xc
-        var = tl.sum(sq, axis=1) / N
-        rstd = 1.0 / tl.sqrt(tl.where(row_ok, var + eps, 1.0))
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / N + eps)
         for off in range(0, N, BLOCK_N):
             cols = off + tl.arange(0, BLOCK_N)
-            mask = row_ok[:, None] & (cols[None, :] < N)
-            x = tl.load(X + cols[None, :] * stride_xn, mask=mask, other=0.0).to(acc_t)
-            w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
-            y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
+            mask = cols < N
+            x = tl.load(X + cols * stride_xn, mask=mask, other=0.0).to(acc_t)
+            w = tl.load(W + cols, mask=mask, other=0.0).to(acc_t)
+            y = (x - mean) * rstd * w
             if CENTRE:
-                y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
-            tl.store(Y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(Mean + rows, mean, mask=row_ok)
-    tl.store(Rstd + rows, rstd, mask=row_ok)
+                y += tl.load(B + cols, mask=mask, other=0.0).to(acc_t)
+            tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Mean + row, mean)
+        tl.store(Rstd + row, rstd)
 
 
 @triton.jit
@@ -99,12 +102,13 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
     mean(h) term), and this program's share of dW = sum g x_hat and dB = sum g.
 
     Program p of GROUP_SIZE_M = num_programs walks row blocks p, p + GROUP_SIZE_M, ...
-    and adds its rows' dW, dB into row p of the partial buffers DW, DB ([GROUP_SIZE_M, N],
-    zeroed by the caller; DB is not touched without CENTRE); `group_sum` then adds the
-    GROUP_SIZE_M rows. ONE_BLOCK: the row and the program's dW, dB tile stay in
-    registers, and a lone program (GROUP_SIZE_M = 1) may be handed the final dW, dB
-    buffers, its row being the sum; otherwise each row block makes two passes over
-    column blocks."""
+    and adds its rows' dW, dB into row p of the partial buffers DW, DB ([GROUP_SIZE_M, N];
+    DB is not touched without CENTRE); `group_sum` then adds the GROUP_SIZE_M rows.
+    ONE_BLOCK: a row block is a [BLOCK_M, BLOCK_N] tile in registers, and so is the
+    program's dW, dB, stored once at the end (a lone program, GROUP_SIZE_M = 1, may be
+    handed the final dW, dB buffers, its row being the sum). Otherwise (BLOCK_M = 1,
+    partial buffers zeroed by the caller) each row takes two passes over column blocks,
+    the second adding into the partial rows, as the tutorial."""
     acc_t = tl.float64 if ACC64 else tl.float32
     group = tl.program_id(0)
     n_groups = tl.num_programs(0)
@@ -114,7 +118,8 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
         cols = tl.arange(0, BLOCK_N)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
         dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
-        db = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+        if CENTRE:
+            db = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
         for start in range(group * BLOCK_M, M, n_groups * BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             row_ok = rows < M
@@ -142,52 +147,46 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
         if CENTRE:
             tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=cols < N)
     else:
-        for start in range(group * BLOCK_M, M, n_groups * BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            row_ok = rows < M
-            r64 = rows.to(tl.int64)[:, None]
-            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
-            rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
-            sh = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
-            shx = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+        for row in range(group, M, n_groups):
+            x_row = X + tl.cast(row, tl.int64) * stride_xm
+            g_row = G + tl.cast(row, tl.int64) * stride_gm
+            dx_row = DX + tl.cast(row, tl.int64) * stride_dxm
+            mean = tl.load(Mean + row)
+            rstd = tl.load(Rstd + row)
+            sh = tl.zeros([BLOCK_N], dtype=acc_t)
+            shx = tl.zeros([BLOCK_N], dtype=acc_t)
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
-                mask = row_ok[:, None] & (cols[None, :] < N)
-                x = tl.load(X + r64 * stride_xm + cols[None, :] * stride_xn, mask=mask,
-                            other=0.0).to(acc_t)
-                g = tl.load(G + r64 * stride_gm + cols[None, :] * stride_gn, mask=mask,
-                            other=0.0).to(acc_t)
-                w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
-                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                h = g * w[None, :]
+                mask = cols < N
+                x = tl.load(x_row + cols * stride_xn, mask=mask, other=0.0).to(acc_t)
+                g = tl.load(g_row + cols * stride_gn, mask=mask, other=0.0).to(acc_t)
+                w = tl.load(W + cols, mask=mask, other=0.0).to(acc_t)
+                xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+                h = g * w
                 sh += h
                 shx += h * xhat
-            c1 = tl.sum(shx, axis=1) / N
-            c2 = tl.sum(sh, axis=1) / N
+            c1 = tl.sum(shx, axis=0) / N
+            c2 = tl.sum(sh, axis=0) / N
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
-                mask = row_ok[:, None] & (cols[None, :] < N)
-                x = tl.load(X + r64 * stride_xm + cols[None, :] * stride_xn, mask=mask,
-                            other=0.0).to(acc_t)
-                g = tl.load(G + r64 * stride_gm + cols[None, :] * stride_gn, mask=mask,
-                            other=0.0).to(acc_t)
-                w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
-                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                h = g * w[None, :]
+                mask = cols < N
+                x = tl.load(x_row + cols * stride_xn, mask=mask, other=0.0).to(acc_t)
+                g = tl.load(g_row + cols * stride_gn, mask=mask, other=0.0).to(acc_t)
+                w = tl.load(W + cols, mask=mask, other=0.0).to(acc_t)
+                xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+                h = g * w
                 if CENTRE:
-                    dx = (h - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+                    dx = (h - c2 - xhat * c1) * rstd
                 else:
-                    dx = (h - xhat * c1[:, None]) * rstd[:, None]
-                tl.store(DX + r64 * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty),
-                         mask=mask)
+                    dx = (h - xhat * c1) * rstd
+                tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=mask)
                 # this program is the only writer of its partial row: a plain
                 # read-add-store, no lock
-                cmask = cols < N
-                tl.store(DW + cols, tl.load(DW + cols, mask=cmask, other=0.0)
-                         + tl.sum(g * xhat, axis=0), mask=cmask)
+                tl.store(DW + cols, tl.load(DW + cols, mask=mask, other=0.0) + g * xhat,
+                         mask=mask)
                 if CENTRE:
-                    tl.store(DB + cols, tl.load(DB + cols, mask=cmask, other=0.0)
-                             + tl.sum(g, axis=0), mask=cmask)
+                    tl.store(DB + cols, tl.load(DB + cols, mask=mask, other=0.0) + g,
+                             mask=mask)
 
 
 @triton.jit
@@ -197,8 +196,10 @@ def group_sum(DW, DB, FINAL_DW, FINAL_DB, GROUPS, N, HAS_DW: tl.constexpr,
     in the parameters' dtype: the tutorial's `_layer_norm_bwd_dwdb`, BLOCK_N columns per
     program, in a fixed order."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=DW.dtype.element_ty)
-    db = tl.zeros([BLOCK_M, BLOCK_N], dtype=DW.dtype.element_ty)
+    if HAS_DW:
+        dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=DW.dtype.element_ty)
+    if HAS_DB:
+        db = tl.zeros([BLOCK_M, BLOCK_N], dtype=DB.dtype.element_ty)
     for start in range(0, GROUPS, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows[:, None] < GROUPS) & (cols[None, :] < N)
@@ -218,48 +219,72 @@ def group_sum(DW, DB, FINAL_DW, FINAL_DB, GROUPS, N, HAS_DW: tl.constexpr,
 @triton.jit
 def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps,
            USE_BATCH: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
-           ACC64: tl.constexpr):
+           ONE_BLOCK: tl.constexpr, ACC64: tl.constexpr):
     """BatchNorm forward of an [N, C, L] input (strides passed in), BLOCK_C channels a
-    program, each channel's N * L samples walked BLOCK_M at a time; Y is contiguous.
-    With USE_BATCH the channels' statistics (biased variance, two-pass) are computed and
-    stored, otherwise Mean and Var are read (eval)."""
+    program; Y is contiguous. With USE_BATCH the channels' statistics (biased variance,
+    two-pass) are computed and stored, otherwise Mean and Var are read (eval).
+    ONE_BLOCK (N * L <= BLOCK_M): a channel's samples are one [BLOCK_C, BLOCK_M] tile,
+    loaded once; otherwise they are walked BLOCK_M at a time, three passes."""
     acc_t = tl.float64 if ACC64 else tl.float32
     chans = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = chans < C
     X += chans.to(tl.int64)[:, None] * stride_xc
     Y += chans.to(tl.int64)[:, None] * L
     m = N * L
-    if USE_BATCH:
-        total = tl.zeros([BLOCK_C, BLOCK_M], dtype=acc_t)
-        for off in range(0, m, BLOCK_M):
-            idx = off + tl.arange(0, BLOCK_M)
-            mask = c_ok[:, None] & (idx < m)[None, :]
-            sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
-            total += tl.load(X + sample[None, :], mask=mask, other=0.0).to(acc_t)
-        mean = tl.sum(total, axis=1) / m
-        sq = tl.zeros([BLOCK_C, BLOCK_M], dtype=acc_t)
+    if ONE_BLOCK:
+        idx = tl.arange(0, BLOCK_M)
+        mask = c_ok[:, None] & (idx < m)[None, :]
+        n_i = (idx // L).to(tl.int64)
+        l_i = idx % L
+        x = tl.load(X + (n_i * stride_xn + l_i * stride_xl)[None, :], mask=mask,
+                    other=0.0).to(acc_t)
+        if USE_BATCH:
+            mean = tl.sum(x, axis=1) / m
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            var = tl.sum(xc * xc, axis=1) / m
+            tl.store(Mean + chans, mean, mask=c_ok)
+            tl.store(Var + chans, var, mask=c_ok)
+        else:
+            mean = tl.load(Mean + chans, mask=c_ok, other=0.0).to(acc_t)
+            var = tl.load(Var + chans, mask=c_ok, other=0.0).to(acc_t)
+            xc = x - mean[:, None]
+        # padding channels get 1, not eps: no division by zero where eps = 0
+        rstd = 1.0 / tl.sqrt(tl.where(c_ok, var + eps, 1.0))
+        w = tl.load(W + chans, mask=c_ok, other=0.0).to(acc_t)
+        b = tl.load(B + chans, mask=c_ok, other=0.0).to(acc_t)
+        y = xc * rstd[:, None] * w[:, None] + b[:, None]
+        tl.store(Y + (n_i * C * L + l_i)[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        if USE_BATCH:
+            total = tl.zeros([BLOCK_C, BLOCK_M], dtype=acc_t)
+            for off in range(0, m, BLOCK_M):
+                idx = off + tl.arange(0, BLOCK_M)
+                mask = c_ok[:, None] & (idx < m)[None, :]
+                sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
+                total += tl.load(X + sample[None, :], mask=mask, other=0.0).to(acc_t)
+            mean = tl.sum(total, axis=1) / m
+            sq = tl.zeros([BLOCK_C, BLOCK_M], dtype=acc_t)
+            for off in range(0, m, BLOCK_M):
+                idx = off + tl.arange(0, BLOCK_M)
+                mask = c_ok[:, None] & (idx < m)[None, :]
+                sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
+                x = tl.load(X + sample[None, :], mask=mask, other=0.0).to(acc_t)
+                xc = tl.where(mask, x - mean[:, None], 0.0)
+                sq += xc * xc
+            var = tl.sum(sq, axis=1) / m
+            tl.store(Mean + chans, mean, mask=c_ok)
+            tl.store(Var + chans, var, mask=c_ok)
+        else:
+            mean = tl.load(Mean + chans, mask=c_ok, other=0.0).to(acc_t)
+            var = tl.load(Var + chans, mask=c_ok, other=0.0).to(acc_t)
+        rstd = 1.0 / tl.sqrt(tl.where(c_ok, var + eps, 1.0))
+        w = tl.load(W + chans, mask=c_ok, other=0.0).to(acc_t)
+        b = tl.load(B + chans, mask=c_ok, other=0.0).to(acc_t)
         for off in range(0, m, BLOCK_M):
             idx = off + tl.arange(0, BLOCK_M)
             mask = c_ok[:, None] & (idx < m)[None, :]
             sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
             x = tl.load(X + sample[None, :], mask=mask, other=0.0).to(acc_t)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-            sq += xc * xc
-        var = tl.sum(sq, axis=1) / m
-        tl.store(Mean + chans, mean, mask=c_ok)
-        tl.store(Var + chans, var, mask=c_ok)
-    else:
-        mean = tl.load(Mean + chans, mask=c_ok, other=0.0).to(acc_t)
-        var = tl.load(Var + chans, mask=c_ok, other=0.0).to(acc_t)
-    # padding channels get 1, not eps: no division by zero where eps = 0
-    rstd = 1.0 / tl.sqrt(tl.where(c_ok, var + eps, 1.0))
-    w = tl.load(W + chans, mask=c_ok, other=0.0).to(acc_t)
-    b = tl.load(B + chans, mask=c_ok, other=0.0).to(acc_t)
-    for off in range(0, m, BLOCK_M):
-        idx = off + tl.arange(0, BLOCK_M)
-        mask = c_ok[:, None] & (idx < m)[None, :]
-        sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
-        x = tl.load(X + sample[None, :], mask=mask, other=0.0).to(acc_t)
-        y = (x - mean[:, None]) * rstd[:, None] * w[:, None] + b[:, None]
-        out = (idx // L).to(tl.int64) * C * L + idx % L
-        tl.store(Y + out[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            y = (x - mean[:, None]) * rstd[:, None] * w[:, None] + b[:, None]
+            out = (idx // L).to(tl.int64) * C * L + idx % L
+            tl.store(Y + out[None, :], y.to(Y.dtype.element_ty), mask=mask)

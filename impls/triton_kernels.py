@@ -232,7 +232,7 @@ class TritonBatchNorm(RunningStatsLayer):
         b.k.bn_fwd[(b.triton.cdiv(c, block_c),)](
             x3, y, self.w, self.bias, mean, var, x3.stride(0), x3.stride(1), x3.stride(2), n, c,
             length, float(self.eps), USE_BATCH=batch, BLOCK_C=block_c, BLOCK_M=block_m,
-            ACC64=self.acc == torch.float64)
+            ONE_BLOCK=m <= block_m, ACC64=self.acc == torch.float64)
         if self.training and self.stats.tracked:
             self.stats.update(to_numpy(mean), to_numpy(var) * m, m)
         return Result(to_numpy(y).reshape(x.shape))
