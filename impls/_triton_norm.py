@@ -42,10 +42,11 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         cols = tl.arange(0, BLOCK_N)
-        mask = row_ok[:, None] & (cols[None, :] < N)
+        col_ok = cols < N
+        mask = row_ok[:, None] & col_ok[None, :]
         # 64-bit row offsets: rows * stride passes 2**31 on large inputs
         r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * stride_xm + cols[None, :] * stride_xn, mask=mask,
+        x = tl.load(X + r64 * stride_xm + (cols * stride_xn)[None, :], mask=mask,
                     other=0.0).to(acc_t)
         if CENTRE:
             mean = tl.sum(x, axis=1) / N
@@ -56,10 +57,10 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
         var = tl.sum(xc * xc, axis=1) / N
         # padding rows get 1, not eps: no division by zero where eps = 0
         rstd = 1.0 / tl.sqrt(tl.where(row_ok, var + eps, 1.0))
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(acc_t)
         y = xc * rstd[:, None] * w[None, :]
         if CENTRE:
-            y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
+            y += tl.load(B + cols, mask=col_ok, other=0.0).to(acc_t)[None, :]
         tl.store(Y + r64 * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         tl.store(Mean + rows, mean, mask=row_ok)
         tl.store(Rstd + rows, rstd, mask=row_ok)
@@ -116,36 +117,37 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
     DB += group * N
     if ONE_BLOCK:
         cols = tl.arange(0, BLOCK_N)
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
+        col_ok = cols < N
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(acc_t)[None, :]
+        x_cols = (cols * stride_xn)[None, :]
+        g_cols = (cols * stride_gn)[None, :]
         dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
         if CENTRE:
             db = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
         for start in range(group * BLOCK_M, M, n_groups * BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             row_ok = rows < M
-            mask = row_ok[:, None] & (cols[None, :] < N)
+            mask = row_ok[:, None] & col_ok[None, :]
             r64 = rows.to(tl.int64)[:, None]
-            x = tl.load(X + r64 * stride_xm + cols[None, :] * stride_xn, mask=mask,
-                        other=0.0).to(acc_t)
-            g = tl.load(G + r64 * stride_gm + cols[None, :] * stride_gn, mask=mask,
-                        other=0.0).to(acc_t)
-            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
-            rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-            h = g * w[None, :]
-            c1 = tl.sum(h * xhat, axis=1) / N
+            x = tl.load(X + r64 * stride_xm + x_cols, mask=mask, other=0.0).to(acc_t)
+            g = tl.load(G + r64 * stride_gm + g_cols, mask=mask, other=0.0).to(acc_t)
+            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)[:, None]
+            rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)[:, None]
+            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+            h = g * w
+            c1 = tl.sum(h * xhat, axis=1)[:, None] / N
             if CENTRE:
-                c2 = tl.sum(h, axis=1) / N
-                dx = (h - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+                c2 = tl.sum(h, axis=1)[:, None] / N
+                dx = (h - c2 - xhat * c1) * rstd
                 db += g
             else:
-                dx = (h - xhat * c1[:, None]) * rstd[:, None]
+                dx = (h - xhat * c1) * rstd
             tl.store(DX + r64 * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             dw += g * xhat
         # cast to DW's dtype: with one group the caller passes the final buffers
-        tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=cols < N)
+        tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_ok)
         if CENTRE:
-            tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=cols < N)
+            tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_ok)
     else:
         for row in range(group, M, n_groups):
             x_row = X + tl.cast(row, tl.int64) * stride_xm

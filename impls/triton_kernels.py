@@ -28,10 +28,12 @@ from .protocol import (
     Result,
 )
 
-#: columns of one block, and elements of one program's [BLOCK_M, BLOCK_N] tile: 32 KB of
-#: float32 per live tensor, what a GPU program holds in registers (the tutorial fuses up
-#: to 64 KB a row)
+#: elements of one program's [BLOCK_M, BLOCK_N] tile of several rows (or BatchNorm
+#: channels): 32 KB of float32 per live tensor, what a GPU program holds in registers
 TILE = 8192
+#: the longest block of one row (or channel): the tutorial's 64 KB of float32; longer
+#: rows are walked in blocks of this many
+BLOCK_MAX = 16384
 #: programs of the backward (rows of the dW/dB partial buffers); fewer when there are
 #: fewer row blocks
 GROUP_SIZE_M = 64
@@ -62,11 +64,12 @@ def _pow2(n: int) -> int:
 
 
 def _row_blocks(d: int) -> tuple[int, int, bool]:
-    """(BLOCK_M, BLOCK_N, ONE_BLOCK) for rows of d elements: a row of up to TILE
+    """(BLOCK_M, BLOCK_N, ONE_BLOCK) for rows of d elements: a row of up to BLOCK_MAX
     elements is one block and a program takes as many rows as fill a TILE; longer rows
-    are walked one row a program, TILE columns at a time. Depends on d only, so a row's
-    reduction order never depends on how many rows share the call (batch invariance)."""
-    block_n = min(_pow2(d), TILE)
+    are walked one row a program, BLOCK_MAX columns at a time. Depends on d only, so a
+    row's reduction order never depends on how many rows share the call (batch
+    invariance)."""
+    block_n = min(_pow2(d), BLOCK_MAX)
     return max(1, TILE // block_n), block_n, d <= block_n
 
 
@@ -167,7 +170,7 @@ class TritonBackend(Backend):
             BLOCK_N=block_n, ONE_BLOCK=one, CENTRE=centre, ACC64=a64)
         if not direct and (gw is not None or gb is not None):
             sum_m = min(SUM_BLOCK_M, _pow2(groups))
-            sum_n = min(_pow2(d), max(1, TILE // sum_m))
+            sum_n = min(_pow2(d), max(1, BLOCK_MAX // sum_m))
             self.k.group_sum[(cdiv(d, sum_n),)](
                 dw_part, db_part, gw if gw is not None else dw_part,
                 gb if gb is not None else db_part, groups, d, HAS_DW=gw is not None,
@@ -227,7 +230,7 @@ class TritonBatchNorm(RunningStatsLayer):
             mean, var = b._t(self.stats.mean), b._t(self.stats.var)
         y = torch.empty((n, c, length), dtype=x3.dtype, device=b.device)
         # a tile of whole channels where the samples fit, so small inputs take one program
-        block_m = min(_pow2(m), TILE)
+        block_m = min(_pow2(m), BLOCK_MAX)
         block_c = min(_pow2(c), max(1, TILE // block_m))
         b.k.bn_fwd[(b.triton.cdiv(c, block_c),)](
             x3, y, self.w, self.bias, mean, var, x3.stride(0), x3.stride(1), x3.stride(2), n, c,
