@@ -4,6 +4,7 @@ document's worked examples E1-E4 through the protocol where its framework can.""
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -28,6 +29,19 @@ def backend(request):
 def test_registry_finds_every_builtin():
     assert {"numpy", "torch", "jax", "numba", "triton", "onnxruntime",
             "inductor"} <= set(registry.discover())
+
+
+def test_triton_is_imported_only_with_its_backend():
+    """Importing normspec, the registry and the triton adapter imports neither triton nor
+    the kernels module: the interpreter must be chosen before triton is imported, and a
+    run that never loads the backend should not pay for it."""
+    code = ("import sys, normspec, normspec.impls.registry as r, normspec.impls.triton_kernels; "
+            "r.discover(); r.default_backends(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton' "
+            "or m.endswith('_triton_norm')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
 
 
 def test_unknown_backend_names_the_known_ones():
