@@ -5,15 +5,19 @@ Laid out as Triton's LayerNorm tutorial (05-layer-norm) lays them out, so a read
 reads these at sight: kernels at module level, row strides passed in, a forward that
 keeps the row in registers when it fits one block, and a backward that reduces dW/dB
 through a [GROUP_SIZE_M, N] partial buffer and a second small kernel instead of a full
-[rows, N] buffer. Two changes, each for a reason:
+[rows, N] buffer. Three changes, each for a reason:
 
-- A program handles a [BLOCK_M, BLOCK_N] tile of BLOCK_M rows, not one row: for small N
-  one row leaves most of a program idle (a common production layout), and Triton's
-  interpreter, which runs every program as Python, costs per program.
+- Where a row fits one block, a program handles a [BLOCK_M, BLOCK_N] tile of BLOCK_M
+  rows, not one row: for small N one row leaves most of a program idle (a common
+  production layout), and Triton's interpreter, which runs every program as Python at a
+  cost per operation rather than per element, does BLOCK_M rows for the price of one.
+  Longer rows are walked one row a program in 1-D blocks, as in the tutorial.
 - The backward launches GROUP_SIZE_M programs, each walking the row blocks whose index
   is its own modulo GROUP_SIZE_M (the tutorial's `row % GROUP_SIZE_M` lock id) and so
   the only writer of its row of the partial buffer: no lock, and the same bits every
   call (the backend declares `deterministic`).
+- A backward of one program (every row in one tile) is handed the final dW, dB buffers:
+  its partial row is the sum, and the second kernel is not launched.
 
 Statistics accumulate in float32 (float64 for float64 inputs, ACC64); the variance is
 two-pass, so a large mean does not cancel it. Imported by the triton adapter only when
@@ -155,7 +159,8 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
             dx_row = DX + tl.cast(row, tl.int64) * stride_dxm
             mean = tl.load(Mean + row)
             rstd = tl.load(Rstd + row)
-            sh = tl.zeros([BLOCK_N], dtype=acc_t)
+            if CENTRE:
+                sh = tl.zeros([BLOCK_N], dtype=acc_t)
             shx = tl.zeros([BLOCK_N], dtype=acc_t)
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
@@ -165,10 +170,12 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
                 w = tl.load(W + cols, mask=mask, other=0.0).to(acc_t)
                 xhat = tl.where(mask, (x - mean) * rstd, 0.0)
                 h = g * w
-                sh += h
+                if CENTRE:
+                    sh += h
                 shx += h * xhat
             c1 = tl.sum(shx, axis=0) / N
-            c2 = tl.sum(sh, axis=0) / N
+            if CENTRE:
+                c2 = tl.sum(sh, axis=0) / N
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
                 mask = cols < N

@@ -139,8 +139,9 @@ class Capabilities:
     gradient_dtypes: per op, the dtypes its gradients come in, where fewer than the op's.
     max_rows: the most rows (normalized groups of LayerNorm and RMSNorm, q and k rows of
         QK-norm) one call takes in reasonable time, where the backend has such a limit
-        (an interpreter that runs every kernel program as Python); None: no limit. Cases with more
-        rows are recorded unsupported with `max_rows_reason`, never skipped silently.
+        (an interpreter that runs every kernel program as Python); None: no limit. Cases
+        with more rows are recorded unsupported with `max_rows_reason`, never skipped
+        silently.
     no_grad_mode: BatchNorm has a forward under the framework's no-grad switch (B6).
     cumulative_momentum: BatchNorm accepts momentum=None. untracked_stats: BatchNorm
     accepts track_running_stats=False.

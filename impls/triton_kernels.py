@@ -104,9 +104,10 @@ class TritonBackend(Backend):
         return to_torch(np.ascontiguousarray(a), self.device)
 
     def _view(self, a, *shape):
-        """a reshaped to `shape` as a torch tensor for a kernel that takes its strides: a view of
-        a's own memory where its strides allow (a strided last axis or an offset slice
-        reach the kernel as they are), else a contiguous copy."""
+        """a reshaped to `shape`, as a torch tensor for a kernel that takes its strides: a
+        view of a's own memory where its strides allow (a strided last axis or an offset
+        slice reach the kernel as they are), else a contiguous copy. Read-only arrays are
+        copied (torch warns on them)."""
         a = np.asarray(a)
         if self.device == "cpu" and a.flags.writeable and a.size and all(
                 s > 0 and s % a.itemsize == 0 for s in a.strides):
@@ -196,8 +197,9 @@ class TritonBackend(Backend):
 
 
 class TritonBatchNorm(RunningStatsLayer):
-    """Training forward in one Triton kernel, BLOCK_C channels a program; the running-statistics update
-    (unbiased, momentum weighting the new batch) is RunningStats' few elementwise ops."""
+    """The forward in one Triton kernel, BLOCK_C channels a program; the running-statistics
+    update (unbiased, momentum weighting the new batch) is RunningStats' few elementwise
+    ops."""
 
     def __init__(self, b, c, eps, momentum, affine, track, dtype, weight, bias):
         self.b, self.eps, self.momentum, self.dtype, self.c = b, eps, momentum, dtype, c
