@@ -16,8 +16,14 @@ compiles 345 small Inductor graphs (forward and backward counted apart), about 1
 cold (15 s for the very first, which pays for importing and warming Inductor) and about
 0.1 s when Inductor's on-disk caches already hold it; 6.5 min for float32, about four
 times that for all dtypes. Hence `registry.OPT_IN`. `compile_stats()` counts them. The recompile
-limit is raised, and hitting it raises instead of falling back to eager execution, so
-every result reported here is Inductor's.
+limit is raised, and hitting it raises instead of falling back to eager execution, and
+every module is compiled with fullgraph=True, so a graph break raises too: every result
+reported here is Inductor's. (Measured without fullgraph: BatchNorm with momentum=None
+breaks the graph at `float(self.num_batches_tracked)`, and from then on every BatchNorm
+configuration in the process, momentum 0.3 included, returned eager ATen's bits, not
+Inductor's.) Hence no cumulative average: with fullgraph=True Dynamo refuses it (with
+`capture_scalar_outputs` it cannot guard on 1 / float(num_batches_tracked) either), and
+the capabilities say so.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ class InductorBackend(TorchBackend):
     name = "inductor"
     capabilities = Capabilities(ops={"layer_norm", "rms_norm", "batch_norm"}, dtypes=DTYPES,
                                 gradients={"layer_norm", "rms_norm", "batch_norm"},
-                                no_grad_mode=True, cumulative_momentum=True, untracked_stats=True)
+                                no_grad_mode=True, cumulative_momentum=False,
+                                untracked_stats=True)
     conventions = Conventions(
         default_eps=TorchBackend.conventions.default_eps,
         native_momentum=TorchBackend.conventions.native_momentum,
@@ -61,7 +68,7 @@ class InductorBackend(TorchBackend):
     def compiled(self, module):
         """The module compiled by Inductor; the wrapper forwards attribute access
         (weight, running_mean, ...) to the module itself."""
-        return self.torch.compile(module, backend="inductor", dynamic=True)
+        return self.torch.compile(module, backend="inductor", dynamic=True, fullgraph=True)
 
     def _run(self, module, x, grad_output, *names):
         start = time.perf_counter()
@@ -84,6 +91,10 @@ class InductorBackend(TorchBackend):
                    weight=None, bias=None):
         from ._torch_arrays import torch_dtype
 
+        if momentum is None:
+            raise NotImplementedError(
+                "torch.compile(fullgraph=True) refuses BatchNorm's cumulative average: "
+                "float(num_batches_tracked) breaks the graph (see the module docstring)")
         return InductorBatchNorm(self, num_features, dict(
             eps=eps, momentum=momentum, affine=affine, track_running_stats=track_running_stats,
             dtype=torch_dtype(dtype)), weight, bias)
