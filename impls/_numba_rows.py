@@ -2,14 +2,14 @@
 (shifted-data sums in float64, which a large mean cannot cancel), the forward that
 gathers the next row's statistics while it writes this one, the backward with partial
 dgamma/dbeta sums per chunk of rows, and the half-precision forward that decodes and
-encodes the 16-bit values itself."""
+encodes the 16-bit values itself, and its backward."""
 
 import math
 
 import numpy as np
 from numba import prange
 
-from ._numba_codec import decode_row, encode_row
+from . import _numba_codec as codec
 from ._numba_jit import inline, jit
 
 
@@ -130,27 +130,115 @@ def norm_bwd(x, w, g, mean, rstd, dx, dw_part, db_part, n_chunks, centre):
                 dxr[j] = s * (np.float64(gr[j]) * w[j] - mh - xh * mhx)
 
 
+# The codec's intrinsics wrapped as jitted functions, which a kernel can pass to the row
+# loops below (an intrinsic is not a first-class value): one compiled loop per format.
+@inline
+def decode_f16(h):
+    return codec.decode_f16(h)
+
+@inline
+def decode_bf16(h):
+    return codec.decode_bf16(h)
+
+@inline
+def encode_f16(v):
+    return codec.encode_f16(v)
+
+@inline
+def encode_bf16(v):
+    return codec.encode_bf16(v)
+
+
+@inline
+def _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, xf, centre, dec, enc):
+    """Rows r0..r1 of the half forward: decode row r into the float32 scratch `xf` while
+    its statistics are summed (float64), then normalize from the scratch and encode."""
+    d = x16.shape[1]
+    for r in range(r0, r1):
+        xr, yr = x16[r], y16[r]
+        if centre:
+            k = np.float64(dec(xr[0]))
+            s1 = 0.0
+            s2 = 0.0
+            for j in range(d):
+                v = dec(xr[j])
+                xf[j] = v
+                t = np.float64(v) - k
+                s1 += t
+                s2 += t * t
+            mu, rstd = moments(k, s1, s2, d, eps)
+        else:
+            sq = 0.0
+            for j in range(d):
+                v = dec(xr[j])
+                xf[j] = v
+                sq += np.float64(v) * np.float64(v)
+            mu, rstd = 0.0, 1.0 / math.sqrt(sq / d + eps)
+        mean_out[r], rstd_out[r] = mu, rstd
+        m32, s32 = np.float32(mu), np.float32(rstd)
+        for j in range(d):
+            yr[j] = enc((xf[j] - m32) * s32 * w[j] + b[j])
+
+
 @jit
 def half_fwd(x16, w, b, eps, y16, mean_out, rstd_out, n_chunks, fmt, centre):
-    """LayerNorm (centre) or RMSNorm forward on float16/bfloat16 bits: each row is
-    decoded into a float32 scratch row, normalized there (statistics in float64) and
-    encoded once into the output."""
+    """LayerNorm (centre) or RMSNorm forward on float16 (fmt 0) / bfloat16 (fmt 1) bits,
+    computed in float32 with statistics in float64; one read and one write of each row."""
     rows, d = x16.shape
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
-        x_bits = np.empty(d, np.uint32)
-        xf = x_bits.view(np.float32)
-        yf = np.empty(d, np.float32)
-        y_bits = yf.view(np.uint32)
-        for r in range(c * per, min(rows, (c + 1) * per)):
-            decode_row(x16[r], x_bits, xf, fmt)
-            if centre:
-                k, s1, s2 = shifted_sums(xf, d)
-                mu, rstd = moments(k, s1, s2, d, eps)
-            else:
-                mu, rstd = 0.0, 1.0 / math.sqrt(sum_squares(xf, d) / d + eps)
-            mean_out[r], rstd_out[r] = mu, rstd
-            m32, s32 = np.float32(mu), np.float32(rstd)
-            for j in range(d):
-                yf[j] = (xf[j] - m32) * s32 * w[j] + b[j]
-            encode_row(yf, y_bits, y16[r], fmt)
+        r0, r1 = c * per, min(rows, (c + 1) * per)
+        xf = np.empty(d, np.float32)
+        if fmt == 0:
+            _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, xf, centre,
+                           decode_f16, encode_f16)
+        else:
+            _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, xf, centre,
+                           decode_bf16, encode_bf16)
+
+
+@inline
+def _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dwc, dbc, r0, r1, xf, gf, centre, dec,
+                   enc):
+    """Rows r0..r1 of the half backward: the first pass decodes x and g into float32
+    scratch rows and sums; the second writes dx from the scratch, encoded once."""
+    d = x16.shape[1]
+    for r in range(r0, r1):
+        mu, s = mean[r], rstd[r]
+        xr, gr, dxr = x16[r], g16[r], dx16[r]
+        sh = 0.0
+        shx = 0.0
+        for j in range(d):
+            xv, gv32 = dec(xr[j]), dec(gr[j])
+            xf[j], gf[j] = xv, gv32
+            gv = np.float64(gv32)
+            xh = (np.float64(xv) - mu) * s
+            h = gv * w[j]
+            sh += h
+            shx += h * xh
+            dwc[j] += gv * xh
+            dbc[j] += gv
+        mh = sh / d if centre else 0.0
+        mhx = shx / d
+        for j in range(d):
+            xh = (np.float64(xf[j]) - mu) * s
+            dxr[j] = enc(np.float32(s * (np.float64(gf[j]) * w[j] - mh - xh * mhx)))
+
+
+@jit
+def half_bwd(x16, w, g16, mean, rstd, dx16, dw_part, db_part, n_chunks, fmt, centre):
+    """norm_bwd on float16 (fmt 0) / bfloat16 (fmt 1) bits: x and g decoded and dx
+    encoded in the kernel, arithmetic in float64 as norm_bwd's, partial dgamma/dbeta
+    per chunk of rows (the caller adds the chunks and rounds once)."""
+    rows, d = x16.shape
+    per = (rows + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        r0, r1 = c * per, min(rows, (c + 1) * per)
+        xf = np.empty(d, np.float32)
+        gf = np.empty(d, np.float32)
+        if fmt == 0:
+            _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], r0, r1,
+                           xf, gf, centre, decode_f16, encode_f16)
+        else:
+            _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], r0, r1,
+                           xf, gf, centre, decode_bf16, encode_bf16)

@@ -4,11 +4,11 @@ Each row is read once from memory: its statistics come from one read (shifted-da
 of x - x[0] and (x - x[0])^2, accumulated in float64, which a large mean cannot cancel),
 then the row is normalized from cache and written once; the forward gathers the next
 row's statistics in the loop that writes this one, so reading and writing overlap.
-float16 and bfloat16 are computed in float32 and cast back once: the forward kernel
-decodes and encodes the 16-bit values itself (round to nearest even); the backward
-converts them in NumPy around the float32 kernel. The kernels live in _numba_rows.py,
-_numba_codec.py and _numba_bn.py, compiled as _numba_jit.py says (fast-math that keeps
-NaN and inf, cached on disk).
+float16 and bfloat16 are computed in float32 (the backward in float64, as float32's) and
+rounded once: the kernels decode and encode the 16-bit values themselves (round to
+nearest even), so a half-precision call moves half the bytes of a float32 one. The
+kernels live in _numba_rows.py, _numba_codec.py and _numba_bn.py, compiled as
+_numba_jit.py says (fast-math that keeps NaN and inf, cached on disk).
 """
 
 from __future__ import annotations
@@ -50,13 +50,18 @@ def _kernels():
     from . import _numba_rows as rows
 
     return dict(ln_fwd=rows.ln_fwd, rms_fwd=rows.rms_fwd, norm_bwd=rows.norm_bwd,
-                half_fwd=rows.half_fwd, bn_stats=bn.bn_stats, bn_apply=bn.bn_apply,
-                bn_bwd=bn.bn_bwd, add_norm_fwd=fused.add_norm_fwd,
+                half_fwd=rows.half_fwd, half_bwd=rows.half_bwd, bn_stats=bn.bn_stats,
+                bn_apply=bn.bn_apply, bn_bwd=bn.bn_bwd, add_norm_fwd=fused.add_norm_fwd,
                 half_add_norm_fwd=fused.half_add_norm_fwd)
 
 
 def _rows(a, d, ct):
     return np.ascontiguousarray(a, dtype=ct).reshape(-1, d)
+
+
+def _bits(a, d):
+    """A float16/bfloat16 array as rows of its 16-bit patterns (a view when contiguous)."""
+    return np.ascontiguousarray(a).reshape(-1, d).view(np.uint16)
 
 
 def _param(p, d, ct, fill):
@@ -119,21 +124,38 @@ class NumbaBackend(Backend):
                            op == "layer_norm")
         return y16, mean, rstd
 
+    def _half_backward(self, op, x16, fmt, w, g16, mean, rstd, out=None):
+        n_chunks = _chunks(x16.shape[0])
+        d = x16.shape[1]
+        dx16, dw_part, db_part = out if out is not None else (
+            np.empty_like(x16), np.empty((n_chunks, d)), np.empty((n_chunks, d)))
+        dw_part[...] = 0.0
+        db_part[...] = 0.0
+        self.k["half_bwd"](x16, w, g16, mean, rstd, dx16, dw_part, db_part, n_chunks, fmt,
+                           op == "layer_norm")
+        return dx16, dw_part.sum(axis=0), db_part.sum(axis=0)
+
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):
         ct, d = compute_dtype(x.dtype), int(np.prod(normalized_shape))
-        if x.dtype in HALF and grad_output is None:
-            # the kernel reads and writes the 16-bit values itself: no float32 copies
-            x16 = np.ascontiguousarray(x).reshape(-1, d).view(np.uint16)
-            w, b = _param(weight, d, ct, 1.0), _param(bias, d, ct, 0.0)
-            y16, _, _ = self._half_forward(op, x16, _FMT[x.dtype], w, b, eps)
-            return Result(y16.view(x.dtype).reshape(x.shape))
-        xr = _rows(x, d, ct)
         w, b = _param(weight, d, ct, 1.0), _param(bias, d, ct, 0.0)
-        y, mean, rstd = self._forward(op, xr, w, b, eps)
-        out = y.reshape(x.shape).astype(x.dtype, copy=False)
-        if grad_output is None:
-            return Result(out)
-        dx, dw, db = self._backward(op, xr, w, _rows(grad_output, d, ct), mean, rstd)
+        if x.dtype in HALF:
+            # the kernels read and write the 16-bit values themselves: no float32 copies
+            fmt = _FMT[x.dtype]
+            x16 = _bits(x, d)
+            y16, mean, rstd = self._half_forward(op, x16, fmt, w, b, eps)
+            out = y16.view(x.dtype).reshape(x.shape)
+            if grad_output is None:
+                return Result(out)
+            dx16, dw, db = self._half_backward(op, x16, fmt, w.astype(np.float64),
+                                               _bits(grad_output, d), mean, rstd)
+            dx = dx16.view(x.dtype)
+        else:
+            xr = _rows(x, d, ct)
+            y, mean, rstd = self._forward(op, xr, w, b, eps)
+            out = y.reshape(x.shape).astype(x.dtype, copy=False)
+            if grad_output is None:
+                return Result(out)
+            dx, dw, db = self._backward(op, xr, w, _rows(grad_output, d, ct), mean, rstd)
         shape = tuple(normalized_shape)
         gw = dw.reshape(shape).astype(x.dtype) if weight is not None else None
         gb = db.reshape(shape).astype(x.dtype) if bias is not None else None
@@ -180,33 +202,39 @@ class NumbaBackend(Backend):
     def prepare_benchmark(self, op, x, normalized_shape, weight, bias, eps, grad_output=None):
         """The kernels on arrays made once, for `normspec bench`: outputs are allocated once,
         as the memory-copy baseline's are (a fresh 128 MB buffer costs its page faults, which
-        measure the allocator, not the kernel). Half inputs go through the protocol call,
-        converted to float32 and back inside the timed call for the backward (Numba has no
-        float16 arrays; the forward kernel decodes and encodes the 16-bit values itself)."""
+        measure the allocator, not the kernel; the bench times the protocol call too, which
+        pays them). Half-precision arrays are passed as their 16-bit patterns, which the
+        kernels decode and encode themselves."""
         backward = grad_output is not None
-        if x.dtype in HALF and not backward:
-            d = int(np.prod(normalized_shape))
-            x16 = np.ascontiguousarray(x).reshape(-1, d).view(np.uint16)
-            w, b = _param(weight, d, np.float32, 1.0), _param(bias, d, np.float32, 0.0)
-            out = (np.empty_like(x16), np.empty(x16.shape[0]), np.empty(x16.shape[0]))
-            return lambda: self._half_forward(op, x16, _FMT[x.dtype], w, b, eps, out)
-        if x.dtype in HALF:
-            args = (x, normalized_shape, weight, bias, eps) if op == "layer_norm" else \
-                (x, normalized_shape, weight, eps)
-            return lambda: getattr(self, op)(*args, grad_output=grad_output)
         d = int(np.prod(normalized_shape))
-        xr = _rows(x, d, x.dtype)
+        half = x.dtype in HALF
+        ct = compute_dtype(x.dtype)
+        xr = _bits(x, d) if half else _rows(x, d, ct)
         rows, n_chunks = xr.shape[0], _chunks(xr.shape[0])
-        w, b = _param(weight, d, x.dtype, 1.0), _param(bias, d, x.dtype, 0.0)
+        w, b = _param(weight, d, ct, 1.0), _param(bias, d, ct, 0.0)
         fwd_out = (np.empty_like(xr), np.zeros(rows), np.empty(rows))
-        if not backward:
-            return lambda: self._forward(op, xr, w, b, eps, fwd_out)
-        g = _rows(grad_output, d, x.dtype)
         bwd_out = (np.empty_like(xr), np.empty((n_chunks, d)), np.empty((n_chunks, d)))
+        if half:
+            fmt, w64 = _FMT[x.dtype], w.astype(np.float64)
+
+            def forward():
+                return self._half_forward(op, xr, fmt, w, b, eps, fwd_out)
+
+            def backward_(mean, rstd):
+                self._half_backward(op, xr, fmt, w64, g, mean, rstd, bwd_out)
+        else:
+            def forward():
+                return self._forward(op, xr, w, b, eps, fwd_out)
+
+            def backward_(mean, rstd):
+                self._backward(op, xr, w, g, mean, rstd, bwd_out)
+        if not backward:
+            return forward
+        g = _bits(grad_output, d) if half else _rows(grad_output, d, ct)
 
         def forward_backward():
-            _, mean, rstd = self._forward(op, xr, w, b, eps, fwd_out)
-            self._backward(op, xr, w, g, mean, rstd, bwd_out)
+            _, mean, rstd = forward()
+            backward_(mean, rstd)
         return forward_backward
 
     def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
