@@ -1,32 +1,49 @@
 """`normspec bench`: forward and forward+backward time of each backend, op and dtype, as
-effective bandwidth beside a memory copy of the same bytes measured in the same run.
+effective bandwidth beside a memory copy of the same bytes, and the cost curve over row
+widths.
 
 Normalization reads and writes every element once; a copy of the same bytes (torch
-`Tensor.copy_`, multi-threaded) is the physical limit, so the ratio to it is the figure of
-merit, and ratios between backends measured side by side are the only comparisons this
-reports: never a bare time, the machine is shared and noisy.
+`Tensor.copy_`, multi-threaded; NumPy's when torch is absent) is the physical limit, so
+the ratio to it is the figure of merit. Never a bare time: the machine is shared and
+noisy, so the bench guards its own numbers:
+
+* each backend is timed in a process of its own (the conformance runner's worker,
+  conformance/worker.py), one backend at a time, so no other framework's threads are
+  there; OpenMP workers sleep when idle (OMP_WAIT_POLICY=PASSIVE), so the copy's
+  threads cannot spin against the kernel's (threads spinning on two cores once made a
+  2 MB copy take 8 ms and a kernel "3818% of copy"); the price is a thread wake-up (tens
+  of microseconds) at each parallel call, which every OpenMP backend pays alike and
+  which shows only at the smallest sizes;
+* the copy of the same bytes is timed in that process right before and right after each
+  measurement; when the two disagree by more than 15% the machine's load changed
+  during it, and the result is marked unreliable: no ratio, the reason instead;
+* a result above twice the copy's bandwidth is marked unreliable too (the copy was
+  slowed before and after alike, as spinning threads do);
+* ratios between backends ("x torch") are taken across processes from reliable results
+  only, as the ratio of their fractions of copy, each against its own baseline.
 
 Bytes counted: forward reads x and writes y (2 N D s); forward+backward also reads x and
 g and writes dx (5 N D s in all); the parameter vectors are negligible.
 
-A backend can offer `prepare_benchmark(op, x, normalized_shape, weight, bias, eps,
-grad_output)` (grad_output None for a forward) returning a zero-argument callable on
-arrays already in its own format, so conversions to and from NumPy are not timed;
-without it the protocol call is timed, and
-the record says so. What each callable includes is the adapter's to say in its
-docstring: torch's functional ops allocate their output at every call (there is no `out=`
-for layer_norm), which is what a torch user pays; the numba kernels write into buffers
-allocated once, as the memory-copy baseline does.
+Two ways of calling a backend are timed, labelled in the results, table and plot:
+"prepared" is the backend's `prepare_benchmark` callable on arrays in its own format
+(numba: outputs allocated once, as the copy's are; torch: its functional ops, which
+allocate their output at every call, as a torch user pays), "protocol" is the protocol
+call (fresh outputs and the conversions from and to NumPy included).
+
+The cost curve times LayerNorm and RMSNorm in float32 at row widths 64 .. 65536 with
+the total bytes held constant (two totals: one near the caches, one well past them),
+so it shows where each kernel falls off the memory limit as rows get wide or narrow.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
 
 import numpy as np
-from normspec.impls import registry
 
 from . import results
 from .cases import dtype_of
@@ -36,11 +53,38 @@ SHAPES = {"full": [(8192, 4096), (2, 1 << 20), (256, 1000)], "quick": [(512, 102
 OPS = ("layer_norm", "rms_norm")
 DTYPES = ("float32", "float16", "bfloat16")
 PASSES = ("forward", "forward+backward")
+VARIANTS = ("prepared", "protocol")
+CURVE = {"full": {"widths": (64, 256, 1024, 4096, 16384, 65536), "elements": (1 << 20, 1 << 24)},
+         "quick": {"widths": (64, 1024, 16384), "elements": (1 << 17,)}}
+CURVE_DTYPE = "float32"
+#: Before/after copy baselines further apart than this: the load changed, no number.
+UNRELIABLE_SPREAD = 0.15
+#: A kernel "faster" than this many copies of its bytes means the baseline was slowed.
+IMPOSSIBLE_OF_COPY = 2.0
+#: What a bench child's environment adds: nothing (see the module doc).
+CHILD_ENV: dict[str, str] = {}
 
 
-def _time(fn, repeat: int, budget_s: float = 2.0) -> float:
+def plan(quick: bool = False, curve: bool = True) -> list[dict]:
+    """Every measurement of a bench, the same for each backend: the table's shapes in
+    every dtype, then the cost curve."""
+    size = "quick" if quick else "full"
+    items = [dict(series="table", op=op, dtype=dt, shape=list(shape), pass_=p, variant=v)
+             for shape in SHAPES[size] for dt in DTYPES for op in OPS for p in PASSES
+             for v in VARIANTS]
+    if curve:
+        spec = CURVE[size]
+        items += [dict(series=f"curve {n}", op=op, dtype=CURVE_DTYPE, shape=[n // d, d],
+                       pass_=p, variant=v)
+                  for n in spec["elements"] for d in spec["widths"] for op in OPS
+                  for p in PASSES for v in VARIANTS]
+    return items
+
+
+# ------------------------------------------------------------------ timing (in the child)
+def _time(fn, repeat: int, budget_s: float = 1.0) -> float:
     """Median seconds of `fn` after two warm-up calls, at most `repeat` timed calls or
-    about `budget_s` seconds of them."""
+    about `budget_s` seconds of them (at least three)."""
     fn()
     fn()
     times = []
@@ -54,13 +98,47 @@ def _time(fn, repeat: int, budget_s: float = 2.0) -> float:
     return statistics.median(times)
 
 
-def copy_seconds(nbytes: int, repeat: int) -> float:
-    import torch
-
+def copy_callable(nbytes: int):
+    """A copy of `nbytes` bytes between two buffers made once: torch's multi-threaded
+    `copy_` when torch is installed, else NumPy's."""
+    try:
+        import torch
+    except ImportError:
+        a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        b = np.empty_like(a)
+        return lambda: np.copyto(b, a)
     src = torch.empty(nbytes, dtype=torch.uint8)
     src.random_(0, 255)
     dst = torch.empty_like(src)
-    return _time(lambda: dst.copy_(src), repeat)
+    return lambda: dst.copy_(src)
+
+
+def judge(rec: dict, before_s: float, after_s: float, seconds: float, moved: int) -> dict:
+    """Fill the numbers of a record from the kernel's time and the copy's before and
+    after; unreliable (no ratio, `error` says why) when the two copies disagree by more
+    than UNRELIABLE_SPREAD."""
+    rec["ms"] = seconds * 1e3
+    rec["gbps"] = moved / seconds / 1e9
+    rec["copy_before_gbps"] = moved / before_s / 1e9
+    rec["copy_after_gbps"] = moved / after_s / 1e9
+    rec["copy_gbps"] = moved / ((before_s + after_s) / 2) / 1e9
+    spread = max(before_s, after_s) / min(before_s, after_s) - 1
+    if spread > UNRELIABLE_SPREAD:
+        rec["reliable"] = False
+        rec["error"] = (f"unreliable: the copy baseline moved from {rec['copy_before_gbps']:.2f} "
+                        f"to {rec['copy_after_gbps']:.2f} GB/s during the measurement "
+                        f"({100 * spread:.0f}% > {100 * UNRELIABLE_SPREAD:.0f}%): the "
+                        "machine's load changed")
+        return rec
+    if rec["gbps"] > IMPOSSIBLE_OF_COPY * rec["copy_gbps"]:
+        rec["reliable"] = False
+        rec["error"] = (f"unreliable: {rec['gbps']:.2f} GB/s is more than "
+                        f"{IMPOSSIBLE_OF_COPY:g}x the copy of the same bytes "
+                        f"({rec['copy_gbps']:.2f} GB/s): the baseline was slowed")
+        return rec
+    rec["reliable"] = True
+    rec["of_copy"] = rec["gbps"] / rec["copy_gbps"]
+    return rec
 
 
 def _protocol_callable(backend, op, x, shape, w, b, eps, g):
@@ -69,91 +147,177 @@ def _protocol_callable(backend, op, x, shape, w, b, eps, g):
     return lambda: backend.rms_norm(x, shape, w, eps, g)
 
 
-def bench_one(loaded, op, dtype, shape, pass_, repeat, copy_cache) -> dict:
-    backend = loaded.backend
-    rec = {"backend": loaded.name, "op": op, "dtype": dtype, "shape": list(shape),
-           "pass": pass_, "ms": None, "gbps": None, "copy_gbps": None, "of_copy": None,
-           "vs_torch": None, "timed": "", "error": ""}
+def _record(name: str, item: dict) -> dict:
+    return {"backend": name, "op": item["op"], "dtype": item["dtype"], "shape": item["shape"],
+            "pass": item["pass_"], "variant": item["variant"], "series": item["series"],
+            "ms": None, "gbps": None, "copy_gbps": None, "copy_before_gbps": None,
+            "copy_after_gbps": None, "of_copy": None, "vs_torch": None, "reliable": False,
+            "timed": "", "error": "", "pid": os.getpid()}
+
+
+class _Inputs:
+    """The arrays and copy buffers of the item being measured, kept while the next items
+    use the same shape and dtype (the plan is ordered so they do): making 33M normal
+    numbers or a 300 MB buffer costs more than timing the kernel."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.x = self.g = None
+        self.copies: dict[int, object] = {}
+
+    def get(self, shape: tuple, dtype: str):
+        if self.key != (shape, dtype):
+            self.key, self.copies = (shape, dtype), {}
+            self.x = self.g = None  # freed before the next ones are made
+            dt = dtype_of(dtype)
+            rng = np.random.default_rng(0)
+            self.x = rng.normal(0.5, 2.0, size=shape).astype(dt)
+            # a random upstream gradient: with g = 1, dx is 0 up to rounding, and a row
+            # of tiny numbers in float16 (subnormals) would time a slow path instead
+            self.g = rng.normal(0.0, 1.0, size=shape).astype(dt)
+        return self.x, self.g
+
+    def copy(self, nbytes: int):
+        if nbytes not in self.copies:
+            self.copies[nbytes] = copy_callable(nbytes)
+        return self.copies[nbytes]
+
+
+def measure_one(backend, name: str, item: dict, repeat: int = 10,
+                inputs: _Inputs | None = None) -> dict:
+    """One measurement: the backend's callable timed between two copies of the same
+    bytes."""
+    op, dtype, shape = item["op"], item["dtype"], tuple(item["shape"])
+    rec = _record(name, item)
+    backward = item["pass_"] != "forward"
     caps = backend.capabilities
-    if not caps.supports(op, dtype) or (pass_ != "forward" and not caps.has_gradient(op, dtype)):
+    if not caps.supports(op, dtype) or (backward and not caps.has_gradient(op, dtype)):
         rec["error"] = "unsupported (capabilities)"
         return rec
-    skip = backend.benchmark_skip_reason
-    if skip:
-        rec["error"] = f"not timed: {skip}"
+    if backend.benchmark_skip_reason:
+        rec["error"] = f"not timed: {backend.benchmark_skip_reason}"
         return rec
-    dt = dtype_of(dtype)
-    rng = np.random.default_rng(0)
-    x = rng.normal(0.5, 2.0, size=shape).astype(dt)
+    inputs = inputs or _Inputs()
+    x, g = inputs.get(shape, dtype)
+    g = g if backward else None
     d = shape[-1]
-    w, b = np.ones(d, dt), (np.zeros(d, dt) if op == "layer_norm" else None)
-    backward = pass_ != "forward"
-    # a random upstream gradient: with g = 1, dx is 0 up to rounding, and converting a
-    # row of tiny numbers to float16 (subnormals) would time NumPy's slow path instead
-    g = rng.normal(0.0, 1.0, size=shape).astype(dt) if backward else None
+    w, b = np.ones(d, x.dtype), (np.zeros(d, x.dtype) if op == "layer_norm" else None)
     try:
-        fn = backend.prepare_benchmark(op, x, (d,), w, b, 1e-5, g)
-        if fn is not None:
-            rec["timed"] = "native call (prepare_benchmark)"
+        if item["variant"] == "prepared":
+            fn = backend.prepare_benchmark(op, x, (d,), w, b, 1e-5, g)
+            if fn is None:
+                rec["error"] = "no prepare_benchmark: see its protocol row"
+                return rec
+            rec["timed"] = "prepare_benchmark callable (the backend's own arrays)"
         else:
             fn = _protocol_callable(backend, op, x, (d,), w, b, 1e-5, g)
-            rec["timed"] = "protocol call, NumPy conversions included"
+            rec["timed"] = "protocol call (fresh outputs, NumPy conversions included)"
+        moved = x.nbytes * (5 if backward else 2)
+        copy = inputs.copy(moved // 2)
+        before = _time(copy, repeat, budget_s=0.3)
         seconds = _time(fn, repeat)
+        after = _time(copy, repeat, budget_s=0.3)
     except Exception as exc:  # noqa: BLE001 - a backend that cannot run is reported
         rec["error"] = f"{type(exc).__name__}: {exc}"
         return rec
-    elem = int(np.prod(shape)) * dt.itemsize
-    moved = elem * (5 if backward else 2)
-    key = (moved,)
-    if key not in copy_cache:
-        copy_cache[key] = copy_seconds(moved // 2, repeat)
-    rec["ms"] = seconds * 1e3
-    rec["gbps"] = moved / seconds / 1e9
-    rec["copy_gbps"] = moved / copy_cache[key] / 1e9
-    rec["of_copy"] = rec["gbps"] / rec["copy_gbps"]
-    return rec
+    finally:
+        fn = None  # a prepared callable's buffers go before the next item's are made
+    return judge(rec, before, after, seconds, moved)
 
 
-def run_bench(backends=None, *, quick=False, repeat=10, progress=print) -> dict:
+def measure(loaded, items: list[dict], *, repeat: int, emit) -> int:
+    """The child's side: every item of the plan on one loaded backend, each record sent
+    through `emit` as soon as it is measured."""
+    inputs = _Inputs()
+    for item in items:
+        emit(measure_one(loaded.backend, loaded.name, item, repeat, inputs))
+    return len(items)
+
+
+# ------------------------------------------------------------------ the run (the parent)
+def compare_to_torch(rows: list[dict]) -> None:
+    """`vs_torch` of every reliable row: its fraction of copy over torch's prepared
+    one's for the same measurement (each against the copy in its own process)."""
+    torch_rows = {_key(r): r for r in rows if r["backend"] == "torch"
+                  and r["variant"] == "prepared" and r.get("reliable") and r.get("of_copy")}
+    for r in rows:
+        t = torch_rows.get(_key(r))
+        if t is not None and r.get("reliable") and r.get("of_copy"):
+            r["vs_torch"] = r["of_copy"] / t["of_copy"]
+
+
+def _key(r: dict) -> tuple:
+    return (r["series"], r["op"], r["dtype"], tuple(r["shape"]), r["pass"])
+
+
+def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=print,
+              timeout: float = 3600.0, items: list[dict] | None = None) -> dict:
+    """Each backend in its own process, one after the other, over the same plan
+    (`items`, default `plan(quick, curve)`)."""
+    from normspec.impls import registry
+
+    from .worker import Worker
+
     doc = results.new_document()
     doc["runs"].append(run_info(0, platform.node() or "local"))
-    names = backends or registry.default_backends()
-    loaded = []
-    for n in names:
-        lb = registry.load(n)
-        if lb.available:
-            loaded.append(lb)
-        else:
-            progress(f"{n}: unavailable: {lb.error}")
-    copy_cache: dict = {}
-    for shape in SHAPES["quick" if quick else "full"]:
-        for dtype in DTYPES:
-            for op in OPS:
-                for pass_ in PASSES:
-                    row = [bench_one(lb, op, dtype, shape, pass_, repeat, copy_cache)
-                           for lb in loaded]
-                    torch_row = next((r for r in row if r["backend"] == "torch" and r["gbps"]),
-                                     None)
-                    for r in row:
-                        if torch_row and r["gbps"]:
-                            r["vs_torch"] = r["gbps"] / torch_row["gbps"]
-                        r["run"] = doc["runs"][0]["run"]
-                        doc["benchmarks"].append(r)
-                        progress(_line(r))
+    label = doc["runs"][0]["run"]
+    items = items if items is not None else plan(quick, curve)
+    rows: list[dict] = []
+    for name in backends or registry.default_backends():
+        worker = Worker(name, label, env=CHILD_ENV)
+        worker.start()
+        try:
+            if not worker.wait_loaded(120.0):
+                progress(f"{name}: unavailable: {worker.error}")
+                continue
+
+            def keep(rec: dict) -> None:
+                rows.append(rec)
+                progress(_line(rec))
+            before = len(rows)
+            out = worker.run_job(("bench", items, repeat), timeout=timeout, on_record=keep)
+            if out.how != "done":
+                progress(f"{name}: the bench stopped after {len(rows) - before} of "
+                         f"{len(items)} measurements ({out.how} {out.detail})")
+        finally:
+            worker.stop()
+    compare_to_torch(rows)
+    for r in rows:
+        r["run"] = label
+    doc["benchmarks"] = rows
     return doc
 
 
-def _line(r) -> str:
-    head = f"{r['backend']:>7} {r['op']:<10} {r['pass']:<16} {r['dtype']:<8} {str(r['shape']):<14}"
-    if not r["gbps"]:
+def _line(r: dict) -> str:
+    head = (f"{r['backend']:>7} {r['variant']:<8} {r['op']:<10} {r['pass']:<16} "
+            f"{r['dtype']:<8} {str(r['shape']):<14}")
+    if not r.get("reliable"):
         return f"{head} {r['error']}"
-    vs = f"{r['vs_torch']:.2f}x torch" if r["vs_torch"] else ""
     return (f"{head} {r['ms']:9.3f} ms {r['gbps']:7.2f} GB/s  copy {r['copy_gbps']:6.2f} GB/s "
-            f"({100 * r['of_copy']:5.1f}% of copy) {vs}")
+            f"({100 * r['of_copy']:5.1f}% of copy)")
+
+
+def summary(rows: list[dict]) -> str:
+    """The table as the issue reads it: one line per measurement and backend/variant,
+    % of copy and x torch, or why there is no number."""
+    lines = [f"{'series':<12} {'shape':<14} {'dtype':<8} {'op':<10} {'pass':<16} "
+             f"{'backend':<16} {'% of copy':>9} {'x torch':>8}"]
+    order = {k: i for i, k in enumerate(dict.fromkeys(_key(r) for r in rows))}
+    for r in sorted(rows, key=lambda r: (order[_key(r)], r["backend"], r["variant"])):
+        who = f"{r['backend']} {r['variant']}"
+        if r.get("reliable"):
+            vs = f"{r['vs_torch']:.2f}x" if r.get("vs_torch") else "-"
+            nums = f"{100 * r['of_copy']:8.0f}% {vs:>8}"
+        else:
+            nums = f"{'-':>9} {'-':>8}  {r['error'][:60]}"
+        lines.append(f"{r['series']:<12} {str(r['shape']):<14} {r['dtype']:<8} {r['op']:<10} "
+                     f"{r['pass']:<16} {who:<16} {nums}")
+    return "\n".join(lines)
 
 
 def main(args) -> int:
-    doc = run_bench(args.backend, quick=args.quick)
+    doc = run_bench(args.backend, quick=args.quick, curve=not args.no_curve)
+    print("\n" + summary(doc["benchmarks"]))
     path = results.write(doc, args.json)
     print(f"\nbenchmarks: {path}  (pass it to `normspec report` to plot them)")
     return 0

@@ -530,6 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--backend", action="append")
     be.add_argument("--json", default="results/bench.json")
     be.add_argument("--quick", action="store_true", help="small shapes only")
+    be.add_argument("--no-curve", action="store_true",
+                    help="leave out the cost curve over row widths 64 .. 65536")
     be.set_defaults(fn=cmd_bench)
     return p
 

@@ -23,7 +23,16 @@ Document (schema "normspec-results", version 2; version 1 files are read too):
                    "capabilities", "conventions", "deviations", "run"}],
      "tolerances": [{"quantity", "base_ulps", "growth", "reason"}],
      "records": [Record...],
-     "benchmarks": [...]}
+     "benchmarks": [Benchmark...]}
+
+A Benchmark (`normspec bench`, conformance/bench.py) is one timing: {"backend", "op",
+"dtype", "shape", "pass", "variant": "prepared" | "protocol", "series": "table" |
+"curve <elements>", "ms", "gbps", "copy_gbps", "copy_before_gbps", "copy_after_gbps",
+"of_copy", "vs_torch", "reliable", "timed", "error", "pid", "run"}; the numbers are null
+where nothing was measured, and the ratios null where the result is unreliable (`error`
+says why). Files written before the variant/series/reliability fields read as the
+"table" series, "prepared" when their `timed` says so, and reliable where they have a
+number.
 
 Stream: the first line is {"stream": "normspec-results", "version": 2, "run": {...},
 "tolerances": [...], "plan": [[backend, check, dtype], ...]}; then lines {"backend": {...}},
@@ -78,6 +87,11 @@ BACKEND_KEYS = {"name": str, "available": bool, "run": str}
 #: What a reader may assume of the optional keys, filled in where a file lacks them.
 BACKEND_DEFAULTS: dict[str, Any] = {"source": "", "version": "", "error": None, "capabilities": {},
                     "conventions": {}, "deviations": [], "stale_deviations": []}
+BENCH_KEYS = {"backend": str, "op": str, "dtype": str, "shape": list, "pass": str}
+BENCH_DEFAULTS: dict[str, Any] = {"series": "table", "ms": None, "gbps": None, "copy_gbps": None,
+                                  "copy_before_gbps": None, "copy_after_gbps": None,
+                                  "of_copy": None, "vs_torch": None, "timed": "", "error": "",
+                                  "pid": None, "run": ""}
 RUN_DEFAULTS: dict[str, Any] = {"created": "", "seed": None, "host": "", "cpu": "", "platform": "",
                 "python": "", "versions": {}, "argv": [], "complete": True, "stopped_by": "",
                 "not_reached": [], "shard": "", "replicas": None}
@@ -221,8 +235,22 @@ def validate(doc, source: str = "results") -> dict:
     for key in ("tolerances", "benchmarks"):
         if not isinstance(doc.setdefault(key, []), list):
             raise ResultsError(f"{source} has {key!r} that is not a list")
+    for i, b in enumerate(doc["benchmarks"]):
+        _check_keys(b, BENCH_KEYS, f"benchmark {i}", source)
+        doc["benchmarks"][i] = _bench_defaults(b)
     doc["records"] = [decode_record(r) for r in doc["records"]]
     return doc
+
+
+def _bench_defaults(b: dict) -> dict:
+    """A benchmark entry with every field, an older file's too (see the module doc)."""
+    out = {**BENCH_DEFAULTS, **b}
+    if "variant" not in b:
+        out["variant"] = "prepared" if "prepare_benchmark" in str(b.get("timed", "")) \
+            else "protocol"
+    if "reliable" not in b:
+        out["reliable"] = bool(b.get("gbps"))
+    return out
 
 
 def _reject_constant(name):

@@ -9,6 +9,9 @@ hung backend lingers to print at exit or hold the process open, and a new child 
 started for the next unit. A child also dies with its parent (PR_SET_PDEATHSIG on
 Linux, and EOF on its pipe everywhere), so a killed run leaves no orphans working on.
 Children ignore SIGINT: on Ctrl-C the parent decides, and kills them.
+
+`normspec bench` uses the same children for its timings (a "bench" job instead of a
+unit), so each backend is timed in a process of its own, with nothing else loaded.
 """
 
 from __future__ import annotations
@@ -58,12 +61,13 @@ def _die_with_parent() -> None:
 #: region, and with two backend processes on two cores each spins on the core the other
 #: needs (measured here: torch's and numba's BatchNorm matrix and B9 checks, 137 s wall
 #: spinning, 17 s passive). Waiting passively changes no result, only who holds a core.
-#: `normspec bench` does not set them: a benchmark times the runtime as users run it.
+#: `normspec bench` does not set them (it passes env={}): a benchmark times the runtime
+#: as users run it, one backend process at a time.
 CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 
 
-def _child_main(conn, requested: str, label: str) -> None:
-    for key, value in CHILD_ENV.items():
+def _child_main(conn, requested: str, label: str, env: dict | None = None) -> None:
+    for key, value in (CHILD_ENV if env is None else env).items():
         os.environ.setdefault(key, value)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
@@ -95,6 +99,13 @@ def _child_main(conn, requested: str, label: str) -> None:
             return
         if msg[0] == "stop":
             return
+        if msg[0] == "bench":
+            from .bench import measure
+
+            n = measure(loaded, msg[1], repeat=msg[2],
+                        emit=lambda rec: conn.send(("record", rec)))
+            conn.send(("done", n))
+            continue
         _, check_id, dtype, seed, examples, shrink = msg
         records = run_check(loaded, checks[check_id], dtype, seed=seed, examples=examples,
                             timeout=None, shrink=shrink,
@@ -116,8 +127,10 @@ def _signal_name(exitcode: int | None) -> str:
 class Worker:
     """The parent's handle on one backend's child process."""
 
-    def __init__(self, requested: str, label: str):
-        self.requested, self.label = requested, label
+    def __init__(self, requested: str, label: str, env: dict | None = None):
+        """`env`: the variables the child sets (unless set) before its framework
+        loads; None for CHILD_ENV."""
+        self.requested, self.label, self.env = requested, label, env
         self.proc: Any = None
         self.conn: Any = None
         self.entry: dict = {}
@@ -129,7 +142,7 @@ class Worker:
         """Spawn the child; `wait_loaded` collects its answer."""
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child_main, args=(child, self.requested, self.label),
+        self.proc = ctx.Process(target=_child_main, args=(child, self.requested, self.label, self.env),
                                 name=f"normspec-{self.requested}", daemon=True)
         self.proc.start()
         child.close()
@@ -198,9 +211,15 @@ class Worker:
     def run_unit(self, check_id: str, dtype: str, *, seed: int, examples: int, shrink: bool,
                  timeout: float, on_record) -> Outcome:
         """Run one unit; `on_record(dict)` is called for each record as it arrives."""
+        return self.run_job(("unit", check_id, dtype, seed, examples, shrink),
+                            timeout=timeout, on_record=on_record)
+
+    def run_job(self, message: tuple, *, timeout: float, on_record) -> Outcome:
+        """Send one job (a unit, or a bench plan) and collect its records until the child
+        says it is done, the timeout passes or the child dies."""
         received = 0
         try:
-            self.conn.send(("unit", check_id, dtype, seed, examples, shrink))
+            self.conn.send(message)
         except (OSError, ValueError, AttributeError):
             return Outcome("died", 0, f"its process was gone ({self._exit()})")
         deadline = time.monotonic() + timeout

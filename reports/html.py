@@ -17,6 +17,8 @@ import numpy as np
 from normspec.conformance import results
 from normspec.conformance.claims import CLAIMS, claim_text
 
+from .bench_plots import bench_plot, curve_plot
+
 STATUS_ORDER = ("fail", "error", "deviation", "refused", "unsupported", "pass")
 SYMBOL = {"pass": "✓", "fail": "✗", "deviation": "≈", "refused": "⊘", "unsupported": "–",
           "error": "!"}
@@ -123,52 +125,6 @@ def error_plot(doc) -> str | None:
     return _figure_svg(fig)
 
 
-def bench_plot(doc) -> str | None:
-    """Effective bandwidth against the memory copy of the same bytes, one panel per op
-    and pass, bars grouped by shape and dtype, so the figure fits a page."""
-    rows = [b for b in doc.get("benchmarks", []) if b.get("gbps")]
-    if not rows:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = sorted({(b["op"], b["pass"]) for b in rows})
-    cols = min(2, len(panels))
-    nrows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(13, 3.4 * nrows), squeeze=False)
-    backends = sorted({b["backend"] for b in rows})
-    colours = dict(zip(backends, ["#2e86c1", "#8e44ad", "#16a085", "#d35400", "#7f8c8d",
-                                  "#c0392b", "#2c3e50"], strict=False))
-    for ax, (op, pass_) in zip(axes.ravel(), panels, strict=False):
-        mine = [b for b in rows if (b["op"], b["pass"]) == (op, pass_)]
-        groups = sorted({(str(b["shape"]), b["dtype"]) for b in mine})
-        width = 0.8 / max(1, len(backends))
-        for j, name in enumerate(backends):
-            for i, g in enumerate(groups):
-                hit = [b for b in mine if b["backend"] == name and (str(b["shape"]), b["dtype"]) == g]
-                if hit:
-                    ax.bar(i + (j - len(backends) / 2 + 0.5) * width, hit[0]["gbps"], width,
-                           color=colours.get(name, "#555"), label=name if i == 0 else None)
-        for i, g in enumerate(groups):
-            copy = [b["copy_gbps"] for b in mine if (str(b["shape"]), b["dtype"]) == g
-                    and b.get("copy_gbps")]
-            if copy:
-                ax.hlines(max(copy), i - 0.45, i + 0.45, colors="#c0392b", lw=2,
-                          label="memory copy" if i == 0 else None)
-        ax.set_xticks(range(len(groups)), [f"{sh}\n{dt}" for sh, dt in groups], fontsize=7)
-        ax.set_title(f"{op}, {pass_}", fontsize=9)
-        ax.set_ylabel("GB/s", fontsize=8)
-        ax.legend(fontsize=6, ncol=3)
-    for ax in axes.ravel()[len(panels):]:
-        ax.set_visible(False)
-    fig.suptitle("Effective bandwidth (bytes read + written / time) against a memory copy of "
-                 "the same bytes, one run", fontsize=10)
-    fig.tight_layout()
-    return _figure_svg(fig)
-
-
 def _cell(records: list[dict], anchor: dict) -> dict:
     """One matrix cell: every status its records have (a refusal beside a pass shows
     both), the worst error relative to its bound, and a link to its first finding."""
@@ -242,7 +198,8 @@ def build_context(doc: dict) -> dict:
     findings = [dict(r, claim_text=claim_text(r["claim"]), anchor=anchor[id(r)]) for r in findings]
     return {"doc": doc, "columns": columns, "dtypes": dtypes, "matrix": matrix,
             "verdicts": verdicts, "findings": findings, "statuses": results.STATUSES,
-            "symbols": SYMBOL, "error_svg": error_plot(doc), "bench_svg": bench_plot(doc),
+            "symbols": SYMBOL, "error_svg": error_plot(doc), "bench_svg": bench_plot(doc, _figure_svg),
+            "curve_svg": curve_plot(doc, _figure_svg),
             "total": Counter(r["status"] for r in doc["records"])}
 
 

@@ -1,0 +1,98 @@
+"""`normspec bench` without asserting a time: a measurement whose copy baseline moved is
+marked unreliable and gets no ratio; each backend is timed in a process of its own; the
+ratios to torch come from reliable rows only; the report draws the cost curve and names
+the reason of an unreliable row; an older results file's benchmarks still read."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+from normspec.conformance import bench, results
+from normspec.reports import html
+
+MB = 10**6
+
+
+def _rec(**kw) -> dict:
+    item = dict(series="table", op="layer_norm", dtype="float32", shape=[4, 8],
+                pass_="forward", variant="prepared")
+    item.update(kw)
+    return bench._record("numba", item)
+
+
+def test_baselines_that_disagree_make_the_result_unreliable():
+    # the copy took 1 ms before and 1.3 ms after: 30% apart, past the 15% the bench allows
+    rec = bench.judge(_rec(), before_s=1e-3, after_s=1.3e-3, seconds=2e-3, moved=8 * MB)
+    assert rec["reliable"] is False and rec["of_copy"] is None
+    assert "unreliable" in rec["error"] and "30%" in rec["error"]
+    ok = bench.judge(_rec(), before_s=1e-3, after_s=1.1e-3, seconds=2e-3, moved=8 * MB)
+    assert ok["reliable"] is True and ok["error"] == ""
+    assert ok["of_copy"] == pytest.approx(1.05e-3 / 2e-3)
+
+
+def test_a_kernel_far_faster_than_the_copy_is_unreliable():
+    # both copies slowed alike (spinning threads): agreeing baselines, impossible ratio
+    rec = bench.judge(_rec(), before_s=8e-3, after_s=8e-3, seconds=0.2e-3, moved=2 * MB)
+    assert rec["reliable"] is False and rec["of_copy"] is None and "slowed" in rec["error"]
+
+
+def test_ratios_to_torch_only_between_reliable_rows():
+    torch = bench.judge(dict(_rec(), backend="torch"), 1e-3, 1e-3, 4e-3, 8 * MB)
+    fast = bench.judge(_rec(), 1e-3, 1e-3, 1e-3, 8 * MB)
+    shaky = bench.judge(_rec(variant="protocol"), 1e-3, 2e-3, 1e-3, 8 * MB)
+    other = bench.judge(_rec(dtype="float16"), 1e-3, 1e-3, 1e-3, 8 * MB)
+    bench.compare_to_torch([torch, fast, shaky, other])
+    assert fast["vs_torch"] == pytest.approx(4.0)
+    assert shaky["vs_torch"] is None and other["vs_torch"] is None
+
+
+def test_each_backend_is_timed_in_its_own_process():
+    item = dict(series="table", op="rms_norm", dtype="float32", shape=[16, 64],
+                pass_="forward", variant="protocol")
+    doc = bench.run_bench(["numpy", "numba"], items=[item], repeat=3, progress=lambda _: None)
+    rows = doc["benchmarks"]
+    assert [r["backend"] for r in rows] == ["numpy", "numba"]
+    pids = {r["pid"] for r in rows}
+    assert len(pids) == 2 and os.getpid() not in pids and None not in pids
+    assert all(r["gbps"] for r in rows), [r["error"] for r in rows]
+    results.validate(copy.deepcopy(results.encode(doc)))
+
+
+def _curve_doc() -> dict:
+    doc = results.new_document()
+    doc["runs"].append({"run": "bench"})
+    rows = []
+    for backend in ("numba", "torch"):
+        for variant in bench.VARIANTS:
+            for d in (64, 1024, 16384):
+                rec = _rec(series="curve 1048576", shape=[(1 << 20) // d, d], variant=variant)
+                rec["backend"] = backend
+                rows.append(bench.judge(rec, 1e-3, 1e-3, 1e-3 * (1 + d / 1e4), 8 * MB))
+    shaky = bench.judge(_rec(), 1e-3, 2e-3, 1e-3, 8 * MB)
+    rows.append(shaky)
+    rows.append(bench.judge(_rec(backend="torch"), 1e-3, 1e-3, 2e-3, 8 * MB))
+    for r in rows:
+        r["run"] = "bench"
+    doc["benchmarks"] = rows
+    return doc
+
+
+def test_report_draws_the_cost_curve_and_says_why_a_row_has_no_number():
+    page = html.render([_curve_doc()])
+    assert "Cost curve" in page and page.count("<svg") >= 2
+    assert "the machine&#39;s load changed" in page or "the machine's load changed" in page
+    assert "protocol (fresh output)" in page  # the legend says which call is which
+
+
+def test_old_benchmark_entries_still_read():
+    old = {"backend": "numba", "op": "layer_norm", "dtype": "float32", "shape": [4, 8],
+           "pass": "forward", "ms": 1.0, "gbps": 2.0, "copy_gbps": 3.0, "of_copy": 0.66,
+           "vs_torch": None, "timed": "native call (prepare_benchmark)", "error": "",
+           "run": "old"}
+    doc = results.new_document()
+    doc["benchmarks"] = [old]
+    got = results.validate(doc)["benchmarks"][0]
+    assert got["variant"] == "prepared" and got["series"] == "table" and got["reliable"]
+    assert html.render([results.new_document() | {"benchmarks": [old]}])
