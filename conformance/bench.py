@@ -17,6 +17,8 @@ noisy, so the bench guards its own numbers:
 * the copy of the same bytes is timed in that process right before and right after each
   measurement; when the two disagree by more than 15% the machine's load changed
   during it, and the result is marked unreliable: no ratio, the reason instead;
+* an unreliable measurement is taken again, up to ATTEMPTS times in all (the record
+  says how many it took), the last one kept;
 * a result above twice the copy's bandwidth is marked unreliable too (the copy was
   slowed before and after alike, as spinning threads do);
 * ratios between backends ("x torch") are taken across processes from reliable results
@@ -59,6 +61,8 @@ CURVE = {"full": {"widths": (64, 256, 1024, 4096, 16384, 65536), "elements": (1 
 CURVE_DTYPE = "float32"
 #: Before/after copy baselines further apart than this: the load changed, no number.
 UNRELIABLE_SPREAD = 0.15
+#: Measurements of one item until one is reliable (each with its own before/after copy).
+ATTEMPTS = 3
 #: A kernel "faster" than this many copies of its bytes means the baseline was slowed.
 IMPOSSIBLE_OF_COPY = 2.0
 #: What a bench child's environment adds: nothing (see the module doc).
@@ -152,7 +156,7 @@ def _record(name: str, item: dict) -> dict:
             "pass": item["pass_"], "variant": item["variant"], "series": item["series"],
             "ms": None, "gbps": None, "copy_gbps": None, "copy_before_gbps": None,
             "copy_after_gbps": None, "of_copy": None, "vs_torch": None, "reliable": False,
-            "timed": "", "error": "", "pid": os.getpid()}
+            "timed": "", "error": "", "attempts": 0, "pid": os.getpid()}
 
 
 class _Inputs:
@@ -214,15 +218,20 @@ def measure_one(backend, name: str, item: dict, repeat: int = 10,
             rec["timed"] = "protocol call (fresh outputs, NumPy conversions included)"
         moved = x.nbytes * (5 if backward else 2)
         copy = inputs.copy(moved // 2)
-        before = _time(copy, repeat, budget_s=0.3)
-        seconds = _time(fn, repeat)
-        after = _time(copy, repeat, budget_s=0.3)
+        for attempt in range(1, ATTEMPTS + 1):
+            before = _time(copy, repeat, budget_s=0.3)
+            seconds = _time(fn, repeat)
+            after = _time(copy, repeat, budget_s=0.3)
+            rec = judge(dict(rec, error=""), before, after, seconds, moved)
+            rec["attempts"] = attempt
+            if rec["reliable"]:
+                break
     except Exception as exc:  # noqa: BLE001 - a backend that cannot run is reported
         rec["error"] = f"{type(exc).__name__}: {exc}"
         return rec
     finally:
         fn = None  # a prepared callable's buffers go before the next item's are made
-    return judge(rec, before, after, seconds, moved)
+    return rec
 
 
 def measure(loaded, items: list[dict], *, repeat: int, emit) -> int:

@@ -150,34 +150,51 @@ def encode_bf16(v):
 
 
 @inline
-def _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, xf, centre, dec, enc):
-    """Rows r0..r1 of the half forward: decode row r into the float32 scratch `xf` while
-    its statistics are summed (float64), then normalize from the scratch and encode."""
+def _half_sums(xr, d, k, dec):
+    """Sums of (x - k) and (x - k)^2 over a 16-bit row, in float64 (k = 0 for RMSNorm)."""
+    s1 = 0.0
+    s2 = 0.0
+    for j in range(d):
+        t = np.float64(dec(xr[j])) - k
+        s1 += t
+        s2 += t * t
+    return s1, s2
+
+@inline
+def _half_moments(k, s1, s2, d, eps, centre):
+    if centre:
+        return moments(k, s1, s2, d, eps)
+    return 0.0, 1.0 / math.sqrt(s2 / d + eps)
+
+@inline
+def _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, centre, dec, enc):
+    """Rows r0..r1 of the half forward, as ln_fwd: the statistics of row r + 1 are summed
+    in the loop that writes row r, which decodes row r again from cache (cheaper than a
+    float32 scratch row, which for a row of a million values would be a fresh 4 MB
+    allocation at every call), normalizes and encodes it."""
     d = x16.shape[1]
+    if r0 >= r1:
+        return
+    k = np.float64(dec(x16[r0][0])) if centre else 0.0
+    s1, s2 = _half_sums(x16[r0], d, k, dec)
     for r in range(r0, r1):
+        mu, rstd = _half_moments(k, s1, s2, d, eps, centre)
+        mean_out[r], rstd_out[r] = mu, rstd
+        m32, s32 = np.float32(mu), np.float32(rstd)
         xr, yr = x16[r], y16[r]
-        if centre:
-            k = np.float64(dec(xr[0]))
+        if r + 1 < r1:
+            xn = x16[r + 1]
+            k = np.float64(dec(xn[0])) if centre else 0.0
             s1 = 0.0
             s2 = 0.0
             for j in range(d):
-                v = dec(xr[j])
-                xf[j] = v
-                t = np.float64(v) - k
+                yr[j] = enc((dec(xr[j]) - m32) * s32 * w[j] + b[j])
+                t = np.float64(dec(xn[j])) - k
                 s1 += t
                 s2 += t * t
-            mu, rstd = moments(k, s1, s2, d, eps)
         else:
-            sq = 0.0
             for j in range(d):
-                v = dec(xr[j])
-                xf[j] = v
-                sq += np.float64(v) * np.float64(v)
-            mu, rstd = 0.0, 1.0 / math.sqrt(sq / d + eps)
-        mean_out[r], rstd_out[r] = mu, rstd
-        m32, s32 = np.float32(mu), np.float32(rstd)
-        for j in range(d):
-            yr[j] = enc((xf[j] - m32) * s32 * w[j] + b[j])
+                yr[j] = enc((dec(xr[j]) - m32) * s32 * w[j] + b[j])
 
 
 @jit
@@ -188,57 +205,71 @@ def half_fwd(x16, w, b, eps, y16, mean_out, rstd_out, n_chunks, fmt, centre):
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         r0, r1 = c * per, min(rows, (c + 1) * per)
-        xf = np.empty(d, np.float32)
         if fmt == 0:
-            _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, xf, centre,
+            _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, centre,
                            decode_f16, encode_f16)
         else:
-            _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, xf, centre,
+            _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, centre,
                            decode_bf16, encode_bf16)
 
 
+#: Rows whose dgamma/dbeta terms are summed in float32 before they are added to the
+#: float64 partial sums: 32 additions cost at most 32 float32 roundings, 2^-19 relative.
+FLUSH_ROWS = 32
+
+
 @inline
-def _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dwc, dbc, r0, r1, xf, gf, centre, dec,
-                   enc):
-    """Rows r0..r1 of the half backward: the first pass decodes x and g into float32
-    scratch rows and sums; the second writes dx from the scratch, encoded once."""
+def _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dwc, dbc, dw32, db32, r0, r1, centre,
+                   dec, enc):
+    """Rows r0..r1 of the half backward: the first pass decodes x and g and sums; the
+    second decodes them again from cache (no scratch rows) and writes dx, encoded once.
+    Elementwise arithmetic in float32 (its rounding is 2^13 times below a float16 ulp);
+    the row sums in float64; dgamma/dbeta summed in float32 over at most FLUSH_ROWS rows
+    (`dw32`, `db32`), then added to the chunk's float64 sums."""
     d = x16.shape[1]
+    for j in range(d):
+        dw32[j] = 0.0
+        db32[j] = 0.0
     for r in range(r0, r1):
-        mu, s = mean[r], rstd[r]
+        m32, s32 = np.float32(mean[r]), np.float32(rstd[r])
         xr, gr, dxr = x16[r], g16[r], dx16[r]
         sh = 0.0
         shx = 0.0
         for j in range(d):
-            xv, gv32 = dec(xr[j]), dec(gr[j])
-            xf[j], gf[j] = xv, gv32
-            gv = np.float64(gv32)
-            xh = (np.float64(xv) - mu) * s
+            gv = dec(gr[j])
+            xh = (dec(xr[j]) - m32) * s32
             h = gv * w[j]
-            sh += h
-            shx += h * xh
-            dwc[j] += gv * xh
-            dbc[j] += gv
-        mh = sh / d if centre else 0.0
-        mhx = shx / d
+            sh += np.float64(h)
+            shx += np.float64(h * xh)
+            dw32[j] += gv * xh
+            db32[j] += gv
+        mh = np.float32(sh / d) if centre else np.float32(0.0)
+        mhx = np.float32(shx / d)
         for j in range(d):
-            xh = (np.float64(xf[j]) - mu) * s
-            dxr[j] = enc(np.float32(s * (np.float64(gf[j]) * w[j] - mh - xh * mhx)))
+            xh = (dec(xr[j]) - m32) * s32
+            dxr[j] = enc(s32 * (dec(gr[j]) * w[j] - mh - xh * mhx))
+        if (r - r0) % FLUSH_ROWS == FLUSH_ROWS - 1 or r == r1 - 1:
+            for j in range(d):
+                dwc[j] += np.float64(dw32[j])
+                dbc[j] += np.float64(db32[j])
+                dw32[j] = 0.0
+                db32[j] = 0.0
 
 
 @jit
-def half_bwd(x16, w, g16, mean, rstd, dx16, dw_part, db_part, n_chunks, fmt, centre):
+def half_bwd(x16, w, g16, mean, rstd, dx16, dw_part, db_part, dw32, db32, n_chunks, fmt,
+             centre):
     """norm_bwd on float16 (fmt 0) / bfloat16 (fmt 1) bits: x and g decoded and dx
-    encoded in the kernel, arithmetic in float64 as norm_bwd's, partial dgamma/dbeta
-    per chunk of rows (the caller adds the chunks and rounds once)."""
+    encoded in the kernel (w in float32), partial dgamma/dbeta per chunk of rows in
+    float64 (the caller adds the chunks and rounds once); dw32/db32 are float32 scratch
+    rows, one per chunk, that the caller allocates with the outputs."""
     rows, d = x16.shape
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         r0, r1 = c * per, min(rows, (c + 1) * per)
-        xf = np.empty(d, np.float32)
-        gf = np.empty(d, np.float32)
         if fmt == 0:
-            _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], r0, r1,
-                           xf, gf, centre, decode_f16, encode_f16)
+            _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], dw32[c],
+                           db32[c], r0, r1, centre, decode_f16, encode_f16)
         else:
-            _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], r0, r1,
-                           xf, gf, centre, decode_bf16, encode_bf16)
+            _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], dw32[c],
+                           db32[c], r0, r1, centre, decode_bf16, encode_bf16)

@@ -4,8 +4,8 @@ Each row is read once from memory: its statistics come from one read (shifted-da
 of x - x[0] and (x - x[0])^2, accumulated in float64, which a large mean cannot cancel),
 then the row is normalized from cache and written once; the forward gathers the next
 row's statistics in the loop that writes this one, so reading and writing overlap.
-float16 and bfloat16 are computed in float32 (the backward in float64, as float32's) and
-rounded once: the kernels decode and encode the 16-bit values themselves (round to
+float16 and bfloat16 are computed in float32, with every sum in float64, and rounded
+once: the kernels decode and encode the 16-bit values themselves (round to
 nearest even), so a half-precision call moves half the bytes of a float32 one. The
 kernels live in _numba_rows.py, _numba_codec.py and _numba_bn.py, compiled as
 _numba_jit.py says (fast-math that keeps NaN and inf, cached on disk).
@@ -62,6 +62,14 @@ def _rows(a, d, ct):
 def _bits(a, d):
     """A float16/bfloat16 array as rows of its 16-bit patterns (a view when contiguous)."""
     return np.ascontiguousarray(a).reshape(-1, d).view(np.uint16)
+
+
+def _half_bwd_out(x16):
+    """The half backward's outputs: dx bits, float64 dgamma/dbeta per chunk, and the
+    float32 scratch rows the kernel sums a few rows in before adding them."""
+    n_chunks, d = _chunks(x16.shape[0]), x16.shape[1]
+    return (np.empty_like(x16), np.empty((n_chunks, d)), np.empty((n_chunks, d)),
+            np.empty((n_chunks, d), np.float32), np.empty((n_chunks, d), np.float32))
 
 
 def _param(p, d, ct, fill):
@@ -126,13 +134,11 @@ class NumbaBackend(Backend):
 
     def _half_backward(self, op, x16, fmt, w, g16, mean, rstd, out=None):
         n_chunks = _chunks(x16.shape[0])
-        d = x16.shape[1]
-        dx16, dw_part, db_part = out if out is not None else (
-            np.empty_like(x16), np.empty((n_chunks, d)), np.empty((n_chunks, d)))
+        dx16, dw_part, db_part, dw32, db32 = out if out is not None else _half_bwd_out(x16)
         dw_part[...] = 0.0
         db_part[...] = 0.0
-        self.k["half_bwd"](x16, w, g16, mean, rstd, dx16, dw_part, db_part, n_chunks, fmt,
-                           op == "layer_norm")
+        self.k["half_bwd"](x16, w, g16, mean, rstd, dx16, dw_part, db_part, dw32, db32,
+                           n_chunks, fmt, op == "layer_norm")
         return dx16, dw_part.sum(axis=0), db_part.sum(axis=0)
 
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):
@@ -146,8 +152,8 @@ class NumbaBackend(Backend):
             out = y16.view(x.dtype).reshape(x.shape)
             if grad_output is None:
                 return Result(out)
-            dx16, dw, db = self._half_backward(op, x16, fmt, w.astype(np.float64),
-                                               _bits(grad_output, d), mean, rstd)
+            dx16, dw, db = self._half_backward(op, x16, fmt, w, _bits(grad_output, d),
+                                               mean, rstd)
             dx = dx16.view(x.dtype)
         else:
             xr = _rows(x, d, ct)
@@ -215,13 +221,14 @@ class NumbaBackend(Backend):
         fwd_out = (np.empty_like(xr), np.zeros(rows), np.empty(rows))
         bwd_out = (np.empty_like(xr), np.empty((n_chunks, d)), np.empty((n_chunks, d)))
         if half:
-            fmt, w64 = _FMT[x.dtype], w.astype(np.float64)
+            bwd_out = _half_bwd_out(xr)
+            fmt = _FMT[x.dtype]
 
             def forward():
                 return self._half_forward(op, xr, fmt, w, b, eps, fwd_out)
 
             def backward_(mean, rstd):
-                self._half_backward(op, xr, fmt, w64, g, mean, rstd, bwd_out)
+                self._half_backward(op, xr, fmt, w, g, mean, rstd, bwd_out)
         else:
             def forward():
                 return self._forward(op, xr, w, b, eps, fwd_out)

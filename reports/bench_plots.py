@@ -84,28 +84,36 @@ def curve_plot(doc, to_svg) -> str | None:
     sizes = sorted({s for _, _, s, _ in lines}, key=lambda s: int(s.split()[-1]))
     markers = dict(zip(sizes, "os^Dv", strict=False))
     widths = sorted({b["shape"][-1] for b in rows})
+    handles: dict = {}
     for ax, (op, pass_) in zip(axes.ravel(), panels, strict=False):
         for name, variant, series, dtype in lines:
-            pts = sorted((b["shape"][-1], 100 * b["of_copy"]) for b in rows
-                         if (b["op"], b["pass"]) == (op, pass_) and b["series"] == series
-                         and b["dtype"] == dtype and _who(b) == (name, variant))
-            if not pts:
+            got = {b["shape"][-1]: 100 * b["of_copy"] for b in rows
+                   if (b["op"], b["pass"]) == (op, pass_) and b["series"] == series
+                   and b["dtype"] == dtype and _who(b) == (name, variant)}
+            if not got:
                 continue
             elements = int(series.split()[-1])
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colours.get(name, "#555"),
-                    ls="--" if variant == "protocol" else "-", marker=markers.get(series, "o"),
-                    ms=4, lw=1.2, label=f"{name} {VARIANT_NOTE.get(variant, variant)}, "
-                                        f"{elements / 2**20:g}M {dtype}")
-        ax.axhline(100, color="#c0392b", lw=1.5, ls=":", label="memory copy")
+            label = (f"{name} {VARIANT_NOTE.get(variant, variant)}, "
+                     f"{elements / 2**20:g}M {dtype} values")
+            # a width without a reliable number is a gap in the line, not a straight
+            # segment across it
+            (line,) = ax.plot(widths, [got.get(w, float("nan")) for w in widths],
+                              color=colours.get(name, "#555"),
+                              ls="--" if variant == "protocol" else "-",
+                              marker=markers.get(series, "o"), ms=4, lw=1.2)
+            handles.setdefault(label, line)
+        copy_line = ax.axhline(100, color="#c0392b", lw=1.5, ls=":")
+        handles.setdefault("memory copy (100%)", copy_line)
         ax.set_xscale("log", base=2)
         ax.set_xticks(widths, [str(w) for w in widths], fontsize=7)
         ax.set_xlabel("row width d (rows = total / d)", fontsize=8)
         ax.set_ylabel("% of copy", fontsize=8)
         ax.set_title(f"{op}, {pass_}", fontsize=9)
-        ax.legend(fontsize=6, ncol=2)
     for ax in axes.ravel()[len(panels):]:
         ax.set_visible(False)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=7,
+               bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(handles) + 2) // 3), 1, 0.96))
     fig.suptitle("Cost curve: % of the copy of the same bytes against the row width, "
                  "total bytes held constant", fontsize=10)
-    fig.tight_layout()
     return to_svg(fig)

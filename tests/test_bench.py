@@ -96,3 +96,15 @@ def test_old_benchmark_entries_still_read():
     got = results.validate(doc)["benchmarks"][0]
     assert got["variant"] == "prepared" and got["series"] == "table" and got["reliable"]
     assert html.render([results.new_document() | {"benchmarks": [old]}])
+
+
+def test_a_moved_baseline_is_measured_again(monkeypatch):
+    from normspec.impls import registry
+
+    # copy, kernel, copy: the first attempt's copies disagree (1 ms, then 2 ms)
+    times = iter([1e-3, 1e-3, 2e-3, 1e-3, 1e-3, 1.05e-3])
+    monkeypatch.setattr(bench, "_time", lambda fn, repeat, budget_s=1.0: next(times))
+    item = dict(series="table", op="rms_norm", dtype="float32", shape=[4, 8],
+                pass_="forward", variant="protocol")
+    rec = bench.measure_one(registry.load("numpy").backend, "numpy", item)
+    assert rec["reliable"] and rec["attempts"] == 2 and rec["error"] == ""

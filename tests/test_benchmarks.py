@@ -6,6 +6,7 @@ oracle once), so a benchmark can never time a no-op."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import normspec.spec as spec
 import numpy as np
 import pytest
@@ -16,15 +17,21 @@ pytestmark = pytest.mark.benchmark_suite
 SHAPE = (1024, 4096)
 
 
+DTYPES = {"float32": (np.float32, 1e-4), "float16": (np.float16, 4e-3),
+          "bfloat16": (ml_dtypes.bfloat16, 3e-2)}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("name", ["torch", "numba", "jax", "numpy"])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
-def test_native_call(benchmark, name, op, backward):
+def test_native_call(benchmark, name, op, backward, dtype):
     backend = registry.load(name).backend
-    x = np.random.default_rng(0).normal(0.5, 2.0, SHAPE).astype(np.float32)
-    w, b = np.ones(SHAPE[-1], np.float32), np.zeros(SHAPE[-1], np.float32)
+    dt, tol = DTYPES[dtype]
+    x = np.random.default_rng(0).normal(0.5, 2.0, SHAPE).astype(dt)
+    w, b = np.ones(SHAPE[-1], dt), np.zeros(SHAPE[-1], dt)
     prepare = getattr(backend, "prepare_benchmark", None)
-    g = np.random.default_rng(1).normal(size=SHAPE).astype(np.float32) if backward else None
+    g = np.random.default_rng(1).normal(size=SHAPE).astype(dt) if backward else None
     if prepare is not None:
         fn = prepare(op, x, SHAPE[-1:], w, b if op == "layer_norm" else None, 1e-5, g)
     else:
@@ -34,5 +41,7 @@ def test_native_call(benchmark, name, op, backward):
     benchmark(fn)
     got = (backend.layer_norm(x, SHAPE[-1:], w, b, 1e-5) if op == "layer_norm"
            else backend.rms_norm(x, SHAPE[-1:], w, 1e-5)).output
-    ref = getattr(spec, op)(x, SHAPE[-1:], w, *((b,) if op == "layer_norm" else ()), eps=1e-5)
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    x64, w64, b64 = (a.astype(np.float64) for a in (x, w, b))
+    ref = getattr(spec, op)(x64, SHAPE[-1:], w64, *((b64,) if op == "layer_norm" else ()),
+                            eps=1e-5)
+    np.testing.assert_allclose(got.astype(np.float64), ref, rtol=tol, atol=tol)
