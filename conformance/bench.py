@@ -18,8 +18,10 @@ noisy, so the bench guards its own numbers:
   during it, and the result is marked unreliable: no ratio, the reason instead;
 * an unreliable measurement is taken again, up to ATTEMPTS times in all (the record
   says how many it took), the last one kept;
-* a result above twice the copy's bandwidth is marked unreliable too (the copy was
-  slowed before and after alike, as spinning threads do);
+* so is one whose copy was descheduled within its own timing (median over twice its
+  fastest call: kernel and copy alike then wait out scheduler slices, and agree on
+  nonsense), and one above twice the copy's bandwidth (the copy was slowed before and
+  after alike, as spinning threads do);
 * ratios between backends ("x torch") are taken across processes from reliable results
   only, as the ratio of their fractions of copy, each against its own baseline.
 
@@ -62,6 +64,8 @@ CURVE_DTYPE = "float32"
 UNRELIABLE_SPREAD = 0.15
 #: Measurements of one item until one is reliable (each with its own before/after copy).
 ATTEMPTS = 3
+#: A copy whose median call took longer than this many times its fastest was interrupted.
+JITTER_LIMIT = 2.0
 #: A kernel "faster" than this many copies of its bytes means the baseline was slowed.
 IMPOSSIBLE_OF_COPY = 2.0
 #: What a bench child's environment adds: nothing (see the module doc).
@@ -85,9 +89,9 @@ def plan(quick: bool = False, curve: bool = True) -> list[dict]:
 
 
 # ------------------------------------------------------------------ timing (in the child)
-def _time(fn, repeat: int, budget_s: float = 1.0) -> float:
-    """Median seconds of `fn` after two warm-up calls, at most `repeat` timed calls or
-    about `budget_s` seconds of them (at least three)."""
+def _time(fn, repeat: int, budget_s: float = 1.0) -> list[float]:
+    """Seconds of each timed call of `fn` after two warm-up calls: at most `repeat`
+    calls or about `budget_s` seconds of them (at least three)."""
     fn()
     fn()
     times = []
@@ -98,7 +102,7 @@ def _time(fn, repeat: int, budget_s: float = 1.0) -> float:
         times.append(time.perf_counter() - t0)
         if time.perf_counter() > deadline and len(times) >= 3:
             break
-    return statistics.median(times)
+    return times
 
 
 def copy_callable(nbytes: int):
@@ -116,30 +120,40 @@ def copy_callable(nbytes: int):
     return lambda: dst.copy_(src)
 
 
-def judge(rec: dict, before_s: float, after_s: float, seconds: float, moved: int) -> dict:
-    """Fill the numbers of a record from the kernel's time and the copy's before and
-    after; unreliable (no ratio, `error` says why) when the two copies disagree by more
-    than UNRELIABLE_SPREAD."""
+def judge(rec: dict, before: list[float], after: list[float], kernel: list[float],
+          moved: int) -> dict:
+    """Fill the numbers of a record from the timings (seconds of each call) of the
+    kernel and of the copy before and after it; medians are compared. Unreliable (no
+    ratio, `error` says why) when the copies before and after disagree by more than
+    UNRELIABLE_SPREAD, when one copy's median is over JITTER_LIMIT times its fastest
+    call (the process lost its core for part of it: on a loaded machine a two-thread
+    region then waits out a scheduler slice, and kernel and copy alike read as a few
+    ms), or when the kernel beats the copy by IMPOSSIBLE_OF_COPY."""
+    before_s, after_s = statistics.median(before), statistics.median(after)
+    seconds = statistics.median(kernel)
     rec["ms"] = seconds * 1e3
     rec["gbps"] = moved / seconds / 1e9
     rec["copy_before_gbps"] = moved / before_s / 1e9
     rec["copy_after_gbps"] = moved / after_s / 1e9
     rec["copy_gbps"] = moved / ((before_s + after_s) / 2) / 1e9
     spread = max(before_s, after_s) / min(before_s, after_s) - 1
+    jitter = max(before_s / min(before), after_s / min(after))
+    why = ""
     if spread > UNRELIABLE_SPREAD:
-        rec["reliable"] = False
-        rec["error"] = (f"unreliable: the copy baseline moved from {rec['copy_before_gbps']:.2f} "
-                        f"to {rec['copy_after_gbps']:.2f} GB/s during the measurement "
-                        f"({100 * spread:.0f}% > {100 * UNRELIABLE_SPREAD:.0f}%): the "
-                        "machine's load changed")
+        why = (f"the copy baseline moved from {rec['copy_before_gbps']:.2f} to "
+               f"{rec['copy_after_gbps']:.2f} GB/s during the measurement "
+               f"({100 * spread:.0f}% > {100 * UNRELIABLE_SPREAD:.0f}%): the machine's load "
+               "changed")
+    elif jitter > JITTER_LIMIT:
+        why = (f"a copy's median call took {jitter:.1f}x its fastest (> {JITTER_LIMIT:g}x): "
+               "the process was descheduled during it")
+    elif rec["gbps"] > IMPOSSIBLE_OF_COPY * rec["copy_gbps"]:
+        why = (f"{rec['gbps']:.2f} GB/s is more than {IMPOSSIBLE_OF_COPY:g}x the copy of the "
+               f"same bytes ({rec['copy_gbps']:.2f} GB/s): the baseline was slowed")
+    rec["reliable"] = not why
+    if why:
+        rec["error"] = f"unreliable: {why}"
         return rec
-    if rec["gbps"] > IMPOSSIBLE_OF_COPY * rec["copy_gbps"]:
-        rec["reliable"] = False
-        rec["error"] = (f"unreliable: {rec['gbps']:.2f} GB/s is more than "
-                        f"{IMPOSSIBLE_OF_COPY:g}x the copy of the same bytes "
-                        f"({rec['copy_gbps']:.2f} GB/s): the baseline was slowed")
-        return rec
-    rec["reliable"] = True
     rec["of_copy"] = rec["gbps"] / rec["copy_gbps"]
     return rec
 

@@ -24,25 +24,33 @@ def _rec(**kw) -> dict:
 
 def test_baselines_that_disagree_make_the_result_unreliable():
     # the copy took 1 ms before and 1.3 ms after: 30% apart, past the 15% the bench allows
-    rec = bench.judge(_rec(), before_s=1e-3, after_s=1.3e-3, seconds=2e-3, moved=8 * MB)
+    rec = bench.judge(_rec(), [1e-3], [1.3e-3], [2e-3], 8 * MB)
     assert rec["reliable"] is False and rec["of_copy"] is None
     assert "unreliable" in rec["error"] and "30%" in rec["error"]
-    ok = bench.judge(_rec(), before_s=1e-3, after_s=1.1e-3, seconds=2e-3, moved=8 * MB)
+    ok = bench.judge(_rec(), [1e-3], [1.1e-3], [2e-3], 8 * MB)
     assert ok["reliable"] is True and ok["error"] == ""
     assert ok["of_copy"] == pytest.approx(1.05e-3 / 2e-3)
 
 
+def test_a_descheduled_copy_is_unreliable():
+    # before and after agree (12 ms medians) but the copy's fastest call took 0.1 ms: the
+    # medians are scheduler slices, not the copy
+    slices = [1e-4, 12e-3, 12e-3]
+    rec = bench.judge(_rec(), slices, slices, [12e-3], 8 * MB)
+    assert rec["reliable"] is False and "descheduled" in rec["error"]
+
+
 def test_a_kernel_far_faster_than_the_copy_is_unreliable():
     # both copies slowed alike (spinning threads): agreeing baselines, impossible ratio
-    rec = bench.judge(_rec(), before_s=8e-3, after_s=8e-3, seconds=0.2e-3, moved=2 * MB)
+    rec = bench.judge(_rec(), [8e-3], [8e-3], [0.2e-3], 2 * MB)
     assert rec["reliable"] is False and rec["of_copy"] is None and "slowed" in rec["error"]
 
 
 def test_ratios_to_torch_only_between_reliable_rows():
-    torch = bench.judge(dict(_rec(), backend="torch"), 1e-3, 1e-3, 4e-3, 8 * MB)
-    fast = bench.judge(_rec(), 1e-3, 1e-3, 1e-3, 8 * MB)
-    shaky = bench.judge(_rec(variant="protocol"), 1e-3, 2e-3, 1e-3, 8 * MB)
-    other = bench.judge(_rec(dtype="float16"), 1e-3, 1e-3, 1e-3, 8 * MB)
+    torch = bench.judge(dict(_rec(), backend="torch"), [1e-3], [1e-3], [4e-3], 8 * MB)
+    fast = bench.judge(_rec(), [1e-3], [1e-3], [1e-3], 8 * MB)
+    shaky = bench.judge(_rec(variant="protocol"), [1e-3], [2e-3], [1e-3], 8 * MB)
+    other = bench.judge(_rec(dtype="float16"), [1e-3], [1e-3], [1e-3], 8 * MB)
     bench.compare_to_torch([torch, fast, shaky, other])
     assert fast["vs_torch"] == pytest.approx(4.0)
     assert shaky["vs_torch"] is None and other["vs_torch"] is None
@@ -69,10 +77,10 @@ def _curve_doc() -> dict:
             for d in (64, 1024, 16384):
                 rec = _rec(series="curve 1048576", shape=[(1 << 20) // d, d], variant=variant)
                 rec["backend"] = backend
-                rows.append(bench.judge(rec, 1e-3, 1e-3, 1e-3 * (1 + d / 1e4), 8 * MB))
-    shaky = bench.judge(_rec(), 1e-3, 2e-3, 1e-3, 8 * MB)
+                rows.append(bench.judge(rec, [1e-3], [1e-3], [1e-3 * (1 + d / 1e4)], 8 * MB))
+    shaky = bench.judge(_rec(), [1e-3], [2e-3], [1e-3], 8 * MB)
     rows.append(shaky)
-    rows.append(bench.judge(_rec(backend="torch"), 1e-3, 1e-3, 2e-3, 8 * MB))
+    rows.append(bench.judge(_rec(backend="torch"), [1e-3], [1e-3], [2e-3], 8 * MB))
     for r in rows:
         r["run"] = "bench"
     doc["benchmarks"] = rows
@@ -102,7 +110,7 @@ def test_a_moved_baseline_is_measured_again(monkeypatch):
     from normspec.impls import registry
 
     # copy, kernel, copy: the first attempt's copies disagree (1 ms, then 2 ms)
-    times = iter([1e-3, 1e-3, 2e-3, 1e-3, 1e-3, 1.05e-3])
+    times = iter([[1e-3], [1e-3], [2e-3], [1e-3], [1e-3], [1.05e-3]])
     monkeypatch.setattr(bench, "_time", lambda fn, repeat, budget_s=1.0: next(times))
     item = dict(series="table", op="rms_norm", dtype="float32", shape=[4, 8],
                 pass_="forward", variant="protocol")
