@@ -28,6 +28,16 @@ def _who(b: dict) -> tuple[str, str]:
     return b["backend"], b.get("variant", "prepared")
 
 
+def _panel_grid(rows):
+    """A figure with one panel per (op, pass) of `rows`, two columns, page-wide."""
+    plt = _pyplot()
+    panels = sorted({(b["op"], b["pass"]) for b in rows})
+    cols = min(2, len(panels))
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(13, 3.4 * nrows), squeeze=False)
+    return fig, axes, panels
+
+
 def bench_plot(doc, to_svg) -> str | None:
     """% of the copy of the same bytes (each against the copy in its own process), one
     panel per op and pass, bars grouped by shape and dtype, one bar per backend and
@@ -35,11 +45,7 @@ def bench_plot(doc, to_svg) -> str | None:
     rows = _reliable(doc, lambda s: s == "table")
     if not rows:
         return None
-    plt = _pyplot()
-    panels = sorted({(b["op"], b["pass"]) for b in rows})
-    cols = min(2, len(panels))
-    nrows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(13, 3.4 * nrows), squeeze=False)
+    fig, axes, panels = _panel_grid(rows)
     who = sorted({_who(b) for b in rows})
     colours = dict(zip(sorted({w[0] for w in who}), COLOURS, strict=False))
     for ax, (op, pass_) in zip(axes.ravel(), panels, strict=False):
@@ -74,11 +80,7 @@ def curve_plot(doc, to_svg) -> str | None:
     rows = _reliable(doc, lambda s: s.startswith("curve"))
     if not rows:
         return None
-    plt = _pyplot()
-    panels = sorted({(b["op"], b["pass"]) for b in rows})
-    cols = min(2, len(panels))
-    nrows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(13, 3.4 * nrows), squeeze=False)
+    fig, axes, panels = _panel_grid(rows)
     lines = sorted({(*_who(b), b["series"], b["dtype"]) for b in rows})
     colours = dict(zip(sorted({w[0] for w in lines}), COLOURS, strict=False))
     sizes = sorted({s for _, _, s, _ in lines}, key=lambda s: int(s.split()[-1]))
