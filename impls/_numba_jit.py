@@ -4,13 +4,68 @@ restricted to reassociation, contraction and no-signed-zeros, which lets LLVM ve
 the reductions; 'nnan'/'ninf' are left out on purpose, so NaN and inf propagate as IEEE
 arithmetic says (the F2/F3.nan_inf check). Imported only when the numba backend is made.
 
-For whoever edits the kernels: Numba's cache is keyed on the file that defines a kernel
-and not on the files it calls into, so after editing only _numba_codec.py the cached
-kernels of _numba_rows.py/_numba_fused.py still run the old conversions: delete the
-*.nbi/*.nbc files in impls/__pycache__ (or touch the kernel files)."""
+Numba keys a cached kernel on the source file that defines it, not on the files it calls
+into: after an edit of _numba_codec.py alone (or an upgrade that changes only it), the
+cached kernels of _numba_rows.py and _numba_fused.py would still run the old inlined
+conversions. So normspec's kernels get cache locators of their own (the places Numba
+would use) whose source stamp is a hash of every _numba_*.py file: any edit of any of
+them recompiles all. Other code's numba caches are untouched."""
+
+import hashlib
+import os
 
 from numba import njit
 
 FASTMATH = {"reassoc", "contract", "nsz"}
+KERNEL_MODULES = __name__.rsplit(".", 1)[0] + "._numba_"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def kernel_sources_stamp(folder: str = HERE) -> str:
+    """SHA-256 of every _numba_*.py file in `folder`, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(n for n in os.listdir(folder) if n.startswith("_numba_")
+                       and n.endswith(".py")):
+        with open(os.path.join(folder, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
+class _WholeKernelStamp:
+    """Locator mixin: normspec's kernels only, stamped with all their sources."""
+
+    stamp = ""
+
+    def get_source_stamp(self):
+        return ("normspec kernel sources", self.stamp)
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if not getattr(py_func, "__module__", "").startswith(KERNEL_MODULES):
+            return None
+        return super().from_function(py_func, py_file)
+
+
+def _install_locators() -> bool:
+    """Put the stamped locators in front of Numba's own, in Numba's order (a
+    user-provided NUMBA_CACHE_DIR first, then beside the source, then user-wide).
+    False (Numba's default behaviour kept) where this Numba lacks those classes."""
+    from numba.core import caching
+
+    impl = getattr(caching, "CacheImpl", None)
+    bases = [getattr(caching, n, None) for n in
+             ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")]
+    if impl is None or None in bases:
+        return False
+    if any(isinstance(c, type) and issubclass(c, _WholeKernelStamp)
+           for c in impl._locator_classes):
+        return True
+    _WholeKernelStamp.stamp = kernel_sources_stamp()
+    impl._locator_classes[:0] = [type(f"NormspecKernels{b.__name__}", (_WholeKernelStamp, b), {})
+                                 for b in bases]
+    return True
+
+
+LOCATORS_INSTALLED = _install_locators()
 jit = njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 inline = njit(fastmath=FASTMATH, inline="always", cache=True)
