@@ -31,6 +31,9 @@ def runs(tmp_path_factory):
         alone_pids = pids.read_text().split()
         pids.write_text("")
         mp.setattr(runner, "SHARE_MIN_S", 0.0)  # share as soon as the work left is known
+        # ~40 calls of 0.1 s: the first process cannot drain the queue before a second
+        # one has started (about a second), however fast the machine
+        mp.setenv("NORMSPEC_TEST_SLOW", "0.1")
         shared = _run(2)
         shared_pids = pids.read_text().split()
     return alone, alone_pids, shared, shared_pids
