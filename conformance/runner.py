@@ -146,13 +146,14 @@ class _Run:
         self.timing: dict[str, dict] = {}
         self.family = {c.id: c.fn.__module__.rsplit(".", 1)[-1] for c in all_checks()}
         #: per backend name: its units not yet started, loaded processes no slot holds,
-        #: processes working on it, and (seconds, units) of its finished units
+        #: processes working on it, and how many of its units have finished (their
+        #: seconds are timing[name]["checks_s"])
         self.order: list[str] = []
         self.requested: dict[str, str] = {}
         self.pending: dict[str, collections.deque] = {}
         self.idle: dict[str, list[Worker]] = {}
         self.active: dict[str, int] = {}
-        self.spent: dict[str, list] = {}
+        self.finished: dict[str, int] = {}
         self.extra: list[Worker] = []  # second processes of shared backends
         self.unshareable: set[str] = set()
 
@@ -187,13 +188,14 @@ class _Run:
             self.idle[name] = [w]
             self.pending[name] = collections.deque(u for u in units if u[0] == name)
             self.active[name] = 0
-            self.spent[name] = [0.0, 0]
+            self.finished[name] = 0
 
     def _remaining_s(self, name: str) -> float:
         """What the backend's units not yet started will take, by the mean of its
         finished ones (infinite before any has finished: not yet known)."""
-        spent, n = self.spent[name]
-        return len(self.pending[name]) * spent / n if n else float("inf")
+        n = self.finished[name]
+        return (len(self.pending[name]) * self.timing[name]["checks_s"] / n if n
+                else float("inf"))
 
     def _choose(self) -> tuple[str | None, bool]:
         """(backend for a free slot, whether nothing is left to wait for). A backend no
@@ -268,8 +270,7 @@ class _Run:
             with self.lock:
                 self.done.add(unit)
                 self.on_done(unit)
-                self.spent[name][0] += spent
-                self.spent[name][1] += 1
+                self.finished[name] += 1
                 t = self.timing[name]
                 t["checks_s"] = round(t["checks_s"] + spent, 2)
                 fam = self.family.get(check_id, "other")
