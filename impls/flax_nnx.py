@@ -19,10 +19,10 @@ its own that sets XLA's device count before JAX starts (impls/flax_shard_map.py)
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
+from ._jax_executables import Executables, default_directory, software_and_machine, stable_text
 from .protocol import (
     DTYPES,
     NORM_OPS,
@@ -45,14 +45,9 @@ def _import():
     except ImportError as exc:
         raise BackendUnavailable(f"jax/flax is not installed: {exc}") from exc
     jax.config.update("jax_enable_x64", True)  # float64 is one of the dtypes under test
-    # XLA compiles every new shape (~0.2 s each): keep the executables on disk so a
-    # second run reuses them (JAX's persistent compilation cache; it changes no result)
-    cache = os.environ.get("NORMSPEC_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "normspec", "jax")
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # the adapter keeps its compiled executables itself (impls/_jax_executables.py); an
+    # executable from JAX's own cache would not serialize into a runnable one
+    jax.config.update("jax_enable_compilation_cache", False)
     return flax, jax, jnp, nnx
 
 
@@ -96,6 +91,8 @@ class FlaxBackend(Backend):
         self.flax, self.jax, self.jnp, self.nnx = _import()
         self.version = f"flax {self.flax.__version__}, jax {self.jax.__version__}"
         self._cache = {}
+        self._executables = Executables(self.jax, software_and_machine(self.jax, self.flax),
+                                        default_directory())
         self._replicas = None
 
     def data_parallel_batch_norm(self, steps, *, sync, eps, momentum, dtype, weight, bias,
@@ -151,9 +148,14 @@ class FlaxBackend(Backend):
                 y, vjp = jax.vjp(forward, xv, pv)
                 return y, vjp(g)
 
-            fn = jax.jit(forward_and_vjp if with_grad else forward)
-            self._cache[key] = fn
+            fn = self._cache[key] = self._jit(
+                forward_and_vjp if with_grad else forward, "norm", with_grad, graphdef, rest)
         return fn
+
+    def _jit(self, f, *static):
+        """jax.jit(f), its executables kept on disk under `static` (every value f's trace
+        depends on besides its arguments: GraphDefs, closed-over state, constants)."""
+        return self._executables.function("\n".join(map(stable_text, static)), lambda: f)
 
     def _axes_kwargs(self, normalized_shape):
         axes = tuple(range(-len(normalized_shape), 0))
@@ -205,7 +207,8 @@ class FlaxBackend(Backend):
                 out, vjp = jax.vjp(forward, xv, rv, pv)
                 return out, vjp((gy, gr))
 
-            fn = self._cache[key] = jax.jit(forward_and_vjp if grads else forward)
+            fn = self._cache[key] = self._jit(forward_and_vjp if grads else forward,
+                                              "fused", grads, graphdef, rest)
         if not grads:
             y, r = fn(self._dev(x), self._dev(residual), params)
             return FusedAddNormResult(_np(y), _np(r))
@@ -227,7 +230,7 @@ class FlaxBackend(Backend):
         return lambda: jax.block_until_ready(fn(*args))
 
     def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
-        jax, jnp, nnx, d = self.jax, self.jnp, self.nnx, q.shape[-1]
+        jnp, nnx, d = self.jnp, self.nnx, q.shape[-1]
         norms = []
         for w in (q_weight, k_weight):
             m = nnx.RMSNorm(d, epsilon=eps, use_scale=w is not None, param_dtype=q.dtype,
@@ -245,7 +248,8 @@ class FlaxBackend(Backend):
                 s = jnp.matmul(q_hat, jnp.swapaxes(k_hat, -1, -2)) * jnp.asarray(scale, q_hat.dtype)
                 return s.astype(qv.dtype)
 
-            fn = self._cache[key] = jax.jit(scores)
+            fn = self._cache[key] = self._jit(scores, "qk", float(scale), *norms[0][::2],
+                                              *norms[1][::2])
         return _np(fn(self._dev(q), self._dev(k), norms[0][1], norms[1][1]))
 
     def softcap(self, scores, cap):
@@ -312,7 +316,8 @@ class FlaxBatchNorm(BatchNormLayer):
                 y, vjp, new_stats = jax.vjp(forward, xv, pv, sv, has_aux=True)
                 return y, new_stats, vjp(g)
 
-            fn = self.b._cache[key] = jax.jit(forward_and_vjp if with_grad else forward)
+            fn = self.b._cache[key] = self.b._jit(forward_and_vjp if with_grad else forward,
+                                                  "bn", ura, with_grad, graphdef, rest)
         return fn
 
     @property

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._jax_executables import stable_text
 from ._replicas import ReplicaError, ReplicaGroup, reraise
 from .protocol import DataParallelResult
 
@@ -65,12 +66,17 @@ class JaxReplicas:
 def replica_setup(rank: int, world: int, port: int) -> dict:
     import warnings
 
+    import flax
     import jax
 
+    from ._jax_executables import Executables, default_directory, software_and_machine
+
     jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_enable_compilation_cache", False)  # as the adapter's process
     warnings.filterwarnings("ignore", message="scatter inputs have incompatible types",
                             category=FutureWarning)
-    return {"cache": {}}
+    salt = software_and_machine(jax, flax, __file__)
+    return {"cache": {}, "executables": Executables(jax, salt, default_directory())}
 
 
 def _lead(v):
@@ -79,7 +85,7 @@ def _lead(v):
 
 
 def _step_fn(graphdef, world, with_grad, masked):
-    """The jitted shard_map'ed training step of (x, g, mask, params, stats); `mask` (the
+    """The shard_map'ed training step of (x, g, mask, params, stats); `mask` (the
     real rows of padded shards) is None when the shards are equal."""
     import jax
     from flax import nnx
@@ -118,7 +124,7 @@ def _step_fn(graphdef, world, with_grad, masked):
         outs = (spec,) * (5 if with_grad else 2)
         return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(args), out_specs=outs)(*args)
 
-    return jax.jit(step)
+    return step
 
 
 def replica_run(state: dict, job: dict) -> dict:
@@ -141,7 +147,9 @@ def replica_run(state: dict, job: dict) -> dict:
     key = (graphdef, world, grads is not None, masked, steps[0][0].shape[1:])
     fn = state["cache"].get(key)
     if fn is None:
-        fn = state["cache"][key] = _step_fn(graphdef, world, grads is not None, masked)
+        static = stable_text((graphdef, world, grads is not None, masked))
+        fn = state["cache"][key] = state["executables"].function(
+            static, lambda: _step_fn(graphdef, world, grads is not None, masked))
     # replicated state, as a data-parallel loop holds it: one copy per replica
     params, stats = (jax.tree_util.tree_map(lambda v: jnp.stack([v] * world), tree)
                      for tree in (params, stats))
