@@ -65,19 +65,33 @@ def fmt(v, dtype) -> str:
     return str(np.dtype(dtype).type(v))
 
 
-def error_ulps(*, expected, actual, dtype, scale, ref=None) -> np.ndarray:
-    """|actual - round_T(expected)| in ULPs of T at `scale`; NaN where both are NaN counts
-    as agreement, a NaN on one side only or an inf mismatch as inf. `ref`: expected
-    already rounded to T (float64), where the caller has it."""
+def _errors(*, expected, actual, dtype, scale, ref=None):
+    """(ULP error at `scale`, |actual - ref|, ref, actual as float64), see error_ulps."""
     ref = round_to(expected, dtype).astype(np.float64) if ref is None else ref
-    got = np.asarray(actual).astype(np.float64)
+    got = np.asarray(actual, dtype=np.float64)
     # the spacing at the scale's own shape (one per row or channel), broadcast after
     spacing = ulp(np.asarray(scale, dtype=np.float64), dtype)
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(got - ref)
-        same = (got == ref) | (np.isnan(got) & np.isnan(ref))
-        err = np.broadcast_to(np.where(same, 0.0, diff / spacing), ref.shape)
-    return np.where(np.isnan(err), np.inf, err)
+        err = np.broadcast_to(diff / spacing, ref.shape)
+        odd = np.isnan(err)  # a NaN, or inf - inf: agreement only where both sides match
+        if odd.any():
+            same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+            err = np.where(odd, np.where(same, 0.0, np.inf), err)
+    return err, diff, ref, got
+
+
+def error_ulps(*, expected, actual, dtype, scale, ref=None) -> np.ndarray:
+    """|actual - round_T(expected)| in ULPs of T at `scale`; NaN where both are NaN counts
+    as agreement, a NaN on one side only or an inf mismatch as inf. `ref`: expected
+    already rounded to T (float64), where the caller has it."""
+    return _errors(expected=expected, actual=actual, dtype=dtype, scale=scale, ref=ref)[0]
+
+
+def _largest(a: np.ndarray) -> float:
+    """max(a), inf when any element is NaN or inf."""
+    biggest = float(a.max())
+    return biggest if np.isfinite(biggest) else float("inf")
 
 
 def assert_conforms(*, expected, actual, dtype, scale, bound, quantity: str, call: str,
@@ -94,21 +108,19 @@ def assert_conforms(*, expected, actual, dtype, scale, bound, quantity: str, cal
     if expected.shape != actual.shape:
         raise CheckFailure(f"got {what} of shape {actual.shape}, but the spec says shape "
                            f"{expected.shape} [{call}]")
-    ref = round_to(expected, dtype).astype(np.float64)
-    err = error_ulps(expected=expected, actual=actual, dtype=dtype, scale=scale, ref=ref)
+    err, diff, ref, got = _errors(expected=expected, actual=actual, dtype=dtype, scale=scale)
     bound_arr = np.broadcast_to(np.asarray(bound, dtype=np.float64), err.shape)
-    excess = err - bound_arr
-    got = actual.astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        abs_err = np.where(np.isnan(err), np.inf, np.abs(got - ref))
-        abs_err = np.where(err == 0, 0.0, abs_err)
-        rel_err = np.where(err == 0, 0.0, abs_err / np.abs(ref))
     m = Measure(comparisons=1)
     if err.size:
-        i = np.unravel_index(int(np.nanargmax(np.where(np.isnan(excess), np.inf, excess))), err.shape)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            excess = err - bound_arr  # NaN only for an infinite error past an infinite bound
+            i = np.unravel_index(int(np.argmax(np.where(np.isnan(excess), np.inf, excess))),
+                                 err.shape)
+            agree = err == 0
+            abs_err = np.where(agree, 0.0, diff)
+            m.max_abs = _largest(abs_err)
+            m.max_rel = _largest(np.where(agree, 0.0, abs_err / np.abs(ref)))
         m.max_ulp, m.bound_ulp = float(err[i]), float(bound_arr[i])
-        m.max_abs = float(np.nanmax(np.where(np.isfinite(abs_err), abs_err, np.inf)))
-        m.max_rel = float(np.nanmax(np.where(np.isfinite(rel_err), rel_err, np.inf)))
         m.worst = {"quantity": quantity, "what": what, "index": [int(k) for k in i],
                    "expected": fmt(ref[i], dtype), "got": fmt(got[i], dtype),
                    "ulp": m.max_ulp, "bound": m.bound_ulp}

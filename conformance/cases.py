@@ -3,6 +3,8 @@ printable recipe, so a failure's repro snippet rebuilds exactly the same input."
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,33 @@ LAYOUTS = {
 }
 
 
+#: draws kept for the next use (the same recipe recurs in every dtype of a check and in
+#: several cases), newest last, up to this many float64 values in all
+_DRAWS_KEPT = 8 << 20
+_draws: OrderedDict[tuple, np.ndarray] = OrderedDict()
+_kept = [0]  # values in _draws
+_draws_lock = threading.Lock()  # the pytest plugin's checks run in threads
+
+
+def _normal(seed: int, shape: tuple[int, ...], mean: float, spread: float) -> np.ndarray:
+    """The seeded normal draw of a recipe (read-only: callers get factor * draw, a copy)."""
+    key = (seed, shape, float(mean), float(spread))
+    with _draws_lock:
+        draw = _draws.get(key)
+        if draw is not None:
+            _draws.move_to_end(key)
+            return draw
+    draw = np.random.default_rng(seed).normal(mean, spread, size=shape)
+    draw.flags.writeable = False
+    with _draws_lock:
+        if key not in _draws:
+            _draws[key] = draw
+            _kept[0] += draw.size
+        while _kept[0] > _DRAWS_KEPT and len(_draws) > 1:
+            _kept[0] -= _draws.popitem(last=False)[1].size
+    return draw
+
+
 @dataclass(frozen=True)
 class ArraySpec:
     """A seeded normal array: N(mean, spread) of `shape`, rounded once to the dtype.
@@ -82,8 +111,7 @@ class ArraySpec:
     factor: float = 1.0  # applied in float64 before rounding: the same draw, scaled
 
     def values64(self) -> np.ndarray:
-        rng = np.random.default_rng(self.seed)
-        return self.factor * rng.normal(self.mean, self.spread, size=self.shape)
+        return self.factor * _normal(self.seed, tuple(self.shape), self.mean, self.spread)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:

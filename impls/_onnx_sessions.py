@@ -12,6 +12,7 @@ bits through OrtValue and IOBinding, into output buffers allocated here, which i
 
 from __future__ import annotations
 
+import os
 import time
 
 import ml_dtypes
@@ -70,6 +71,11 @@ class Sessions:
                              ir_version=h.find_min_ir_version_for([h.make_opsetid("", opset)]))
         options = ort.SessionOptions()
         options.log_severity_level = 3  # warnings about unused initializers etc. are noise here
+        if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+            # ORT's own thread pool spins after each op as OpenMP's does, but does not read
+            # OMP_WAIT_POLICY: a process that asked for passive waiting (normspec's backend
+            # processes do) gets ORT's equivalent. It changes no result, only who holds a core.
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             return ort.InferenceSession(model.SerializeToString(), options,
                                         providers=["CPUExecutionProvider"])
