@@ -80,3 +80,24 @@ def test_short_conformance_run_has_no_errors():
     # the declared biased estimator is the one ORT uses, and momentum is translated
     assert status["F4.declared_estimator"] == status["F4.momentum_meaning"] == "pass"
     assert status["F2.values"] == status["F7.softcap"] == "pass"
+
+
+@pytest.mark.parametrize("policy, spinning", [("PASSIVE", "0"), ("ACTIVE", None)])
+def test_sessions_wait_passively_where_the_process_asks(monkeypatch, policy, spinning):
+    """normspec's backend processes set OMP_WAIT_POLICY=PASSIVE; ORT's thread pool does
+    not read it, so the adapter turns ORT's spinning off itself (and only then)."""
+    import onnx
+    import onnxruntime
+    from normspec.impls._onnx_sessions import Sessions
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    sessions = Sessions(onnx, onnxruntime)
+    node = onnx.helper.make_node("Identity", ["x"], ["y"])
+    session = sessions.get("identity", lambda: ([node], [("x", np.float32)],
+                                                [("y", np.float32)], 17))
+    options = session.get_session_options()
+    try:
+        got = options.get_session_config_entry("session.intra_op.allow_spinning")
+    except RuntimeError:  # "does not have configuration with key": ORT's default (spins)
+        got = None
+    assert got == spinning
