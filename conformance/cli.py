@@ -341,19 +341,29 @@ def _previous_timing() -> dict[str, float]:
 
 def print_timing(doc: dict, out=None) -> None:
     """Where the time went: per backend, its load (imports, framework start-up) and its
-    checks, with the three costliest check families. JIT and XLA compilation happen
-    inside the checks that first meet a shape; compare a cold and a warm run to see it."""
+    checks, with the three costliest check families; of each, the part the backend says
+    it spent compiling (JIT, XLA, sessions; loading compiled code from a cache included),
+    "?" where it does not say."""
     timing = doc["runs"][0].get("timing") or {}
     if not timing:
         return
-    rows: list[list[Any]] = [["backend", "ready after", "checks", "processes",
-                              "costliest families"]]
+
+    def compiled(seconds) -> str:
+        return "?" if seconds is None else f"{seconds:.1f}"
+
+    rows: list[list[Any]] = [["backend", "ready after", "checks", "compile", "processes",
+                              "costliest families (compile)"]]
     for name, t in sorted(timing.items(), key=lambda kv: -kv[1]["checks_s"]):
         top = sorted(t["families"].items(), key=lambda kv: -kv[1])[:3]
+        fam_c = t.get("family_compile_s") or {}
+        known = t.get("compile_s") is not None
         rows.append([name, f"{t['load_s']:.1f} s", f"{t['checks_s']:.1f} s",
-                     t.get("processes", 1), ", ".join(f"{f} {s:.1f} s" for f, s in top)])
+                     f"{compiled(t.get('compile_s'))} s", t.get("processes", 1),
+                     ", ".join(f"{f} {s:.1f} s ({compiled(fam_c.get(f, 0.0) if known else None)})"
+                               for f, s in top)])
     print("\nwhere the time went (--jobs processes at a time; checks: seconds summed over "
-          "the backend's processes):",
+          "the backend's processes; compile: the part spent compiling, as the backend "
+          "counts it):",
           file=out or sys.stdout)
     _print_table(rows, out)
 

@@ -173,8 +173,11 @@ class _Run:
         for w in workers:
             w.wait_loaded(self.timeout)
             # loads overlap: this is when the backend was ready, counted from the start
+            # compile_s / family_compile_s: the part of checks_s / families the backend
+            # says it spent compiling (None: it does not say)
             self.timing[w.entry["name"]] = {"load_s": round(time.perf_counter() - start, 2),
-                                            "checks_s": 0.0, "families": {}, "processes": 1}
+                                            "checks_s": 0.0, "families": {}, "processes": 1,
+                                            "compile_s": None, "family_compile_s": {}}
         return workers
 
     # ------------------------------------------------------------ scheduling
@@ -275,6 +278,10 @@ class _Run:
                 t["checks_s"] = round(t["checks_s"] + spent, 2)
                 fam = self.family.get(check_id, "other")
                 t["families"][fam] = round(t["families"].get(fam, 0.0) + spent, 2)
+                if worker.last_compile_s is not None:
+                    c = t["family_compile_s"]
+                    c[fam] = round(c.get(fam, 0.0) + worker.last_compile_s, 2)
+                    t["compile_s"] = round((t["compile_s"] or 0.0) + worker.last_compile_s, 2)
             if recs:
                 counts = ", ".join(f"{n} {s}" for s, n in _count(recs).items())
                 self.say(f"{name:>8} {check_id:<26} {dtype:<9} {counts} "

@@ -36,6 +36,7 @@ class Outcome:
     how: str
     received: int
     detail: str = ""
+    compile_s: float | None = None  # the backend's compile time in the unit, if it says
 
 
 def hypothesis_home() -> str:
@@ -107,10 +108,22 @@ def _child_main(conn, requested: str, label: str, env: dict | None = None) -> No
             conn.send(("done", n))
             continue
         _, check_id, dtype, seed, examples, shrink = msg
+        before = _compile_seconds(loaded.backend)
         records = run_check(loaded, checks[check_id], dtype, seed=seed, examples=examples,
                             timeout=None, shrink=shrink,
                             emit=lambda rec: conn.send(("record", rec.to_json())))
-        conn.send(("done", len(records)))
+        after = _compile_seconds(loaded.backend)
+        spent = None if before is None or after is None else max(after - before, 0.0)
+        conn.send(("done", len(records), spent))
+
+
+def _compile_seconds(backend) -> float | None:
+    """The backend's compile_seconds(), None where it has none or it fails."""
+    try:
+        value = backend.compile_seconds()
+        return None if value is None else float(value)
+    except Exception:  # noqa: BLE001 - a third party's broken optional method
+        return None
 
 
 def _signal_name(exitcode: int | None) -> str:
@@ -136,6 +149,8 @@ class Worker:
         self.entry: dict = {}
         self.deviations: list = []
         self.error: str | None = None
+        #: the backend's compile seconds in the last unit executed (None: not known)
+        self.last_compile_s: float | None = None
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -238,7 +253,7 @@ class Worker:
                 received += 1
                 on_record(msg[1])
             elif msg[0] == "done":
-                return Outcome("done", received)
+                return Outcome("done", received, compile_s=msg[2] if len(msg) > 2 else None)
 
     def execute(self, check_id: str, dtype: str, *, seed: int, examples: int, shrink: bool,
                 timeout: float, on_record=None, stopping=None) -> list[dict]:
@@ -260,8 +275,10 @@ class Worker:
             keep(Record(**base, case="restart", status="error",
                         message=f"the backend could not be started again: {self.error}").to_json())
             return records
+        self.last_compile_s = None
         out = self.run_unit(check_id, dtype, seed=seed, examples=examples, shrink=shrink,
                             timeout=timeout, on_record=keep)
+        self.last_compile_s = out.compile_s
         if out.how != "done" and not (stopping is not None and stopping.is_set()):
             # (a process the run itself killed on Ctrl-C is not the backend's failure)
             why = (f"timed out after {timeout:g} s (the backend hung or is too slow); its "

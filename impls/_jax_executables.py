@@ -37,6 +37,7 @@ import os
 import pickle
 import re
 import tempfile
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,7 @@ class Executables:
     def __init__(self, jax, salt: str, directory: Path | None):
         self.jax, self.salt, self.directory = jax, salt, directory
         self._pruned = False
+        self.seconds = 0.0  # spent compiling or loading executables, for the time table
 
     def function(self, static: str, build: Callable[[], Callable]) -> Callable:
         """A callable like jax.jit(build()) whose executables come from this cache;
@@ -180,6 +182,7 @@ class _Cached:
                                  for a in leaves))
         found = self._by_signature.get(signature)
         if found is None:
+            start = time.perf_counter()
             key = hashlib.sha256("\n".join(
                 [self.cache.salt, self.static, stable_text(signature)]).encode()).hexdigest()
             exe = self.cache.load(key)
@@ -188,6 +191,7 @@ class _Cached:
                 exe = self._compile(args)
                 self.cache.store(key, exe)
             found = self._by_signature[signature] = [exe, loaded, key]
+            self.cache.seconds += time.perf_counter() - start
         exe, loaded, key = found
         if not loaded:
             return exe(*args)

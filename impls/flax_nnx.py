@@ -95,6 +95,10 @@ class FlaxBackend(Backend):
                                         default_directory())
         self._replicas = None
 
+    def compile_seconds(self) -> float:
+        """Tracing, lowering and compiling, or loading a stored executable instead."""
+        return self._executables.seconds
+
     def data_parallel_batch_norm(self, steps, *, sync, eps, momentum, dtype, weight, bias,
                                  grad_outputs=None):
         """Flax BatchNorm under shard_map over len(steps[0]) host devices, momentum

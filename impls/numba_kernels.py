@@ -48,11 +48,13 @@ def _kernels():
     from . import _numba_bn as bn
     from . import _numba_fused as fused
     from . import _numba_rows as rows
+    from ._numba_jit import COMPILING
 
-    return dict(ln_fwd=rows.ln_fwd, rms_fwd=rows.rms_fwd, norm_bwd=rows.norm_bwd,
-                half_fwd=rows.half_fwd, half_bwd=rows.half_bwd, bn_stats=bn.bn_stats,
-                bn_apply=bn.bn_apply, bn_bwd=bn.bn_bwd, add_norm_fwd=fused.add_norm_fwd,
-                half_add_norm_fwd=fused.half_add_norm_fwd)
+    kernels = dict(ln_fwd=rows.ln_fwd, rms_fwd=rows.rms_fwd, norm_bwd=rows.norm_bwd,
+                   half_fwd=rows.half_fwd, half_bwd=rows.half_bwd, bn_stats=bn.bn_stats,
+                   bn_apply=bn.bn_apply, bn_bwd=bn.bn_bwd, add_norm_fwd=fused.add_norm_fwd,
+                   half_add_norm_fwd=fused.half_add_norm_fwd)
+    return {name: COMPILING.time(k) for name, k in kernels.items()}
 
 
 def _rows(a, d, ct):
@@ -101,6 +103,11 @@ class NumbaBackend(Backend):
             raise BackendUnavailable(f"numba is not installed: {_IMPORT_ERROR}")
         self.version = numba.__version__
         self.k = _kernels()
+
+    def compile_seconds(self) -> float:
+        from ._numba_jit import COMPILING
+
+        return COMPILING.seconds
 
     def _forward(self, op, xr, w, b, eps, out=None):
         rows = xr.shape[0]

@@ -66,6 +66,10 @@ class OnnxRuntimeBackend(Backend):
         self.helper = onnx.helper
         self.version = f"onnxruntime {ort.__version__}, onnx {onnx.__version__}"
 
+    def compile_seconds(self) -> float:
+        """Building sessions: graph checks, optimization and kernel setup per graph."""
+        return self.sessions.seconds
+
     # ------------------------------------------------------------ helpers
     def _node(self, op, inputs, outputs, **attrs):
         return self.helper.make_node(op, inputs, outputs, **attrs)

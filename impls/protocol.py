@@ -379,6 +379,13 @@ class Backend:
         call instead."""
         return None
 
+    def compile_seconds(self) -> float | None:
+        """Optional: seconds this process has spent compiling so far (JIT compilation,
+        building sessions or graphs, loading compiled code from a cache). The time table
+        at the end of a run splits each check family's time into compile and the rest
+        with it; None (the default) when the backend cannot tell. Never part of a verdict."""
+        return None
+
     def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None) -> Result:
         """F2 over the trailing `normalized_shape` axes; weight and bias have that shape
         or are None (bias only together with weight)."""
