@@ -166,13 +166,24 @@ class Worker:
     def wait_loaded(self, timeout: float) -> bool:
         """True when the backend loaded and is available; else `error` says why."""
         timeout = max(timeout, LOAD_TIMEOUT_MIN_S)
+        deadline = time.monotonic() + timeout
+        msg = None
         try:
-            ready = self.conn.poll(timeout)
-            msg = self.conn.recv() if ready else None
+            # in short waits: a child that dies before it takes its end of the pipe (in
+            # multiprocessing's start-up, e.g. a main script it cannot find) never closes
+            # it, so only its exit tells
+            while (remaining := deadline - time.monotonic()) > 0:
+                if self.conn.poll(min(remaining, 0.5)):
+                    msg = self.conn.recv()
+                    break
+                if not self.proc.is_alive():
+                    msg = self.conn.recv() if self.conn.poll(0) else None
+                    break
         except (EOFError, OSError):
             msg = None
         if msg is None:
-            why = (f"loading it took longer than {timeout:g} s" if self.proc.is_alive()
+            # the pipe closed or the process ended before the deadline: it died
+            why = (f"loading it took longer than {timeout:g} s" if time.monotonic() >= deadline
                    else f"its process died while loading it ({self._exit()})")
             self.kill()
             self.error = why

@@ -207,6 +207,23 @@ def test_a_crashing_backend_costs_that_check_alone(tmp_path):
     assert {r["status"] for r in doc["records"] if r["check"] == "F3.values"} == {"pass"}
 
 
+def test_a_backend_process_that_dies_starting_is_reported_at_once(tmp_path):
+    """A script piped to `python -` calls the runner: multiprocessing's spawned child
+    looks for the main script '<stdin>' and dies before it takes its end of the pipe,
+    which the parent never sees close. The run says so within seconds, not after the
+    load timeout (120 s)."""
+    script = ("from normspec.conformance import runner\n"
+              "try:\n"
+              "    runner.run(['numpy'], checks=['E1'], dtypes=['float32'], label='x')\n"
+              "except runner.BackendNotUsable as exc:\n"
+              "    print('NOT USABLE:', exc)\n")
+    start_t = time.monotonic()
+    proc = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path, text=True,
+                          capture_output=True, timeout=120)
+    assert time.monotonic() - start_t < 60
+    assert "NOT USABLE:" in proc.stdout and "died while loading it" in proc.stdout, proc.stdout
+
+
 # ------------------------------------------------------------------ bad arguments
 BAD_RUN = [
     (["--seed", "-1"], "'-1'"), (["--seed", "x"], "'x'"), (["--examples", "0"], "'0'"),
