@@ -4,8 +4,14 @@ widths.
 
 Normalization reads and writes every element once; a copy of the same bytes (torch
 `Tensor.copy_`, multi-threaded; NumPy's when torch is absent) is the physical limit, so
-the ratio to it is the figure of merit. Never a bare time: the machine is shared and
-noisy, so the bench guards its own numbers:
+the ratio to it is the figure of merit. The copy's buffers are NumPy arrays, as the
+benchmarked inputs are: NumPy asks Linux for transparent huge pages for large arrays
+(madvise), torch's allocator does not, and the same copy_ on 4 KB pages measured 20-30%
+slower here (33-35 against 42-44 GB/s, [8192, 4096] float16's bytes, idle, alternated in
+one process): a baseline on torch.empty buffers was below what a kernel streaming NumPy
+arrays reaches (numba's float16 RMSNorm at 116% of it), so every ratio to it read high.
+The copy is the same, made the same way, in every backend's process. Never a bare
+time: the machine is shared and noisy, so the bench guards its own numbers:
 
 * each backend is timed in a process of its own (the conformance runner's worker,
   conformance/worker.py), one backend at a time, so no other backend's threads are
@@ -104,18 +110,18 @@ def _time(fn, repeat: int, budget_s: float = 0.6) -> list[float]:
 
 
 def copy_callable(nbytes: int):
-    """A copy of `nbytes` bytes between two buffers made once: torch's multi-threaded
-    `copy_` when torch is installed, else NumPy's."""
+    """A copy of `nbytes` bytes between two buffers made once, by NumPy as the benchmarked
+    arrays are (so on the same kind of pages: see the module doc), filled before timing
+    so no page fault is timed: torch's multi-threaded `copy_` on them when torch is
+    installed, else NumPy's."""
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.ones_like(src)
     try:
         import torch
     except ImportError:
-        a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-        b = np.empty_like(a)
-        return lambda: np.copyto(b, a)
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    src.random_(0, 255)
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
+        return lambda: np.copyto(dst, src)
+    t_src, t_dst = torch.from_numpy(src), torch.from_numpy(dst)
+    return lambda: t_dst.copy_(t_src)
 
 
 def judge(rec: dict, before: list[float], after: list[float], kernel: list[float],

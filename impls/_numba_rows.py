@@ -2,12 +2,14 @@
 (shifted-data sums in float64, which a large mean cannot cancel), the forward that
 gathers the next row's statistics while it writes this one, the backward with partial
 dgamma/dbeta sums per chunk of rows, and the half-precision forward that decodes and
-encodes the 16-bit values itself, and its backward."""
+encodes the 16-bit values itself (its statistics in float32 blocks where that is exact
+enough, see _half_stats), and its backward."""
 
 import math
 
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from . import _numba_codec as codec
 from ._numba_jit import inline, jit
@@ -166,41 +168,101 @@ def _half_moments(k, s1, s2, d, eps, centre):
         return moments(k, s1, s2, d, eps)
     return 0.0, 1.0 / math.sqrt(s2 / d + eps)
 
+
+#: Elements summed in float32 before the block's sums are added in float64.
+SUM_BLOCK = 512
+#: Largest (mean - shift)^2 / variance the float32 block sums are trusted with.
+MAX_SHIFT_RATIO = 16.0
+#: Below this mean square (of x - shift) float32 squares may have underflowed.
+TINY_MEAN_SQUARE = 2.0 ** -80
+
+
+@inline
+def _half_sums32(xr, d, k, dec):
+    """_half_sums with the arithmetic in float32 over blocks of SUM_BLOCK elements, each
+    block's sums added in float64: float32 has no conversion to float64 per element,
+    which made the sums cost as much as the rest of the forward. Each float32 sum adds
+    at most ~15 roundings (SUM_BLOCK over the vector lanes, then their tree), 2^-20
+    relative; the caller checks when that is not enough. (Rows are sliced per block so
+    that every index starts at 0: Numba then knows it is not negative.)"""
+    s1 = 0.0
+    s2 = 0.0
+    for j0 in range(0, d, SUM_BLOCK):
+        xb = xr[j0:j0 + SUM_BLOCK]
+        a = np.float32(0.0)
+        q = np.float32(0.0)
+        for j in range(xb.shape[0]):
+            t = dec(xb[j]) - k
+            a += t
+            q += t * t
+        s1 += np.float64(a)
+        s2 += np.float64(q)
+    return s1, s2
+
+
+@inline
+def _half_stats(xr, d, eps, centre, dec):
+    """Mean and 1/std of a 16-bit row (mean 0 for RMSNorm), from shifted sums (k = x[0])
+    taken in float32 blocks. Their error, relative to the variance, is at most ~45
+    roundings times (1 + c^2), c = |mean - k| / std: with c^2 <= MAX_SHIFT_RATIO that is
+    below 2^-14, a sixteenth of a float16 half-ulp. A row outside that (x[0] an outlier),
+    or whose float32 squares may have overflowed (bfloat16 beyond ~1e19), underflowed
+    (mean square below TINY_MEAN_SQUARE) or met NaN/inf, is summed again in float64, as
+    every row was before."""
+    k = dec(xr[0]) if centre else np.float32(0.0)
+    s1, s2 = _half_sums32(xr, d, k, dec)
+    m1 = s1 / d
+    ms = s2 / d
+    var = ms - m1 * m1
+    trusted = TINY_MEAN_SQUARE <= ms < np.inf
+    if centre:
+        trusted = trusted and m1 * m1 <= MAX_SHIFT_RATIO * var
+    if not trusted:
+        s1, s2 = _half_sums(xr, d, np.float64(k), dec)
+    return _half_moments(np.float64(k), s1, s2, d, eps, centre)
+
+
+def param_at(a, j, dec):
+    """a[j] as float32: decoded when `a` holds 16-bit patterns (uint16), as is otherwise."""
+
+
+@overload(param_at, inline="always")
+def _param_at(a, j, dec):
+    if a.dtype == types.uint16:
+        return lambda a, j, dec: dec(a[j])
+    return lambda a, j, dec: np.float32(a[j])
+
+
 @inline
 def _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, centre, dec, enc):
-    """Rows r0..r1 of the half forward, as ln_fwd: the statistics of row r + 1 are summed
-    in the loop that writes row r, which decodes row r again from cache (cheaper than a
-    float32 scratch row, which for a row of a million values would be a fresh 4 MB
-    allocation at every call), normalizes and encodes it."""
+    """Rows r0..r1 of the half forward, one row at a time: the statistics from one read
+    of the row, then the row normalized from L1 (an 8 KB row of 4096 halves stays there)
+    and written. gamma and beta are read as 16-bit patterns when they are exactly
+    representable (`param_at`): two float32 vectors of 4096 fill L1 by themselves, and
+    with them there every row's re-read came from L2 instead, which halved the speed of
+    a streaming row loop. RMSNorm does not read beta at all."""
     d = x16.shape[1]
-    if r0 >= r1:
-        return
-    k = np.float64(dec(x16[r0][0])) if centre else 0.0
-    s1, s2 = _half_sums(x16[r0], d, k, dec)
     for r in range(r0, r1):
-        mu, rstd = _half_moments(k, s1, s2, d, eps, centre)
+        xr, yr = x16[r], y16[r]
+        mu, rstd = _half_stats(xr, d, eps, centre, dec)
         mean_out[r], rstd_out[r] = mu, rstd
         m32, s32 = np.float32(mu), np.float32(rstd)
-        xr, yr = x16[r], y16[r]
-        if r + 1 < r1:
-            xn = x16[r + 1]
-            k = np.float64(dec(xn[0])) if centre else 0.0
-            s1 = 0.0
-            s2 = 0.0
+        if centre:
             for j in range(d):
-                yr[j] = enc((dec(xr[j]) - m32) * s32 * w[j] + b[j])
-                t = np.float64(dec(xn[j])) - k
-                s1 += t
-                s2 += t * t
+                yr[j] = enc((dec(xr[j]) - m32) * s32 * param_at(w, j, dec)
+                            + param_at(b, j, dec))
         else:
             for j in range(d):
-                yr[j] = enc((dec(xr[j]) - m32) * s32 * w[j] + b[j])
+                yr[j] = enc(dec(xr[j]) * s32 * param_at(w, j, dec))
 
 
 @jit
 def half_fwd(x16, w, b, eps, y16, mean_out, rstd_out, n_chunks, fmt, centre):
     """LayerNorm (centre) or RMSNorm forward on float16 (fmt 0) / bfloat16 (fmt 1) bits,
-    computed in float32 with statistics in float64; one read and one write of each row."""
+    computed in float32 with statistics in float32 blocks summed in float64 (float64
+    throughout where those could lose accuracy, see _half_stats); one read of each row
+    from memory and one write. gamma/beta are float32, or 16-bit patterns of the same
+    format as x."""
     rows, d = x16.shape
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):

@@ -78,6 +78,18 @@ def _param(p, d, ct, fill):
     return np.full(d, fill, ct) if p is None else np.ascontiguousarray(p, dtype=ct).reshape(d)
 
 
+def _half_params(w, b, dtype):
+    """gamma and beta (float32) for the half forward: as 16-bit patterns of `dtype` when
+    both are exactly representable there (always so for parameters given in x's dtype):
+    half the bytes, so they stay in L1 beside the row (see _numba_rows._half_fwd_rows);
+    else the float32 vectors, which the kernel reads as they are."""
+    wh, bh = w.astype(dtype), b.astype(dtype)
+    if (np.array_equal(wh.astype(np.float32), w, equal_nan=True)
+            and np.array_equal(bh.astype(np.float32), b, equal_nan=True)):
+        return wh.view(np.uint16), bh.view(np.uint16)
+    return w, b
+
+
 def _chunks(rows):
     """One contiguous chunk of rows per thread (fewer when there are fewer rows)."""
     return max(1, min(rows, numba.get_num_threads()))
@@ -131,11 +143,12 @@ class NumbaBackend(Backend):
                            n_chunks, op == "layer_norm")
         return dx, dw_part.sum(axis=0), db_part.sum(axis=0)
 
-    def _half_forward(self, op, x16, fmt, w, b, eps, out=None):
+    def _half_forward(self, op, x16, fmt, params, eps, out=None):
+        """`params`: gamma and beta as _half_params made them."""
         rows = x16.shape[0]
         y16, mean, rstd = out if out is not None else (
             np.empty_like(x16), np.empty(rows), np.empty(rows))
-        self.k["half_fwd"](x16, w, b, float(eps), y16, mean, rstd, _chunks(rows), fmt,
+        self.k["half_fwd"](x16, *params, float(eps), y16, mean, rstd, _chunks(rows), fmt,
                            op == "layer_norm")
         return y16, mean, rstd
 
@@ -155,7 +168,8 @@ class NumbaBackend(Backend):
             # the kernels read and write the 16-bit values themselves: no float32 copies
             fmt = _FMT[x.dtype]
             x16 = _bits(x, d)
-            y16, mean, rstd = self._half_forward(op, x16, fmt, w, b, eps)
+            y16, mean, rstd = self._half_forward(op, x16, fmt, _half_params(w, b, x.dtype),
+                                                 eps)
             out = y16.view(x.dtype).reshape(x.shape)
             if grad_output is None:
                 return Result(out)
@@ -230,9 +244,10 @@ class NumbaBackend(Backend):
         if half:
             bwd_out = _half_bwd_out(xr)
             fmt = _FMT[x.dtype]
+            params = _half_params(w, b, x.dtype)
 
             def forward():
-                return self._half_forward(op, xr, fmt, w, b, eps, fwd_out)
+                return self._half_forward(op, xr, fmt, params, eps, fwd_out)
 
             def backward_(mean, rstd):
                 self._half_backward(op, xr, fmt, w, g, mean, rstd, bwd_out)
