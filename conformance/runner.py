@@ -278,10 +278,10 @@ class _Run:
                 t["checks_s"] = round(t["checks_s"] + spent, 2)
                 fam = self.family.get(check_id, "other")
                 t["families"][fam] = round(t["families"].get(fam, 0.0) + spent, 2)
-                if worker.last_compile_s is not None:
+                if worker.last_compile_s is not None:  # (rounded when printed: many are ms)
                     c = t["family_compile_s"]
-                    c[fam] = round(c.get(fam, 0.0) + worker.last_compile_s, 2)
-                    t["compile_s"] = round((t["compile_s"] or 0.0) + worker.last_compile_s, 2)
+                    c[fam] = c.get(fam, 0.0) + worker.last_compile_s
+                    t["compile_s"] = (t["compile_s"] or 0.0) + worker.last_compile_s
             if recs:
                 counts = ", ".join(f"{n} {s}" for s, n in _count(recs).items())
                 self.say(f"{name:>8} {check_id:<26} {dtype:<9} {counts} "

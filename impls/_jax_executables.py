@@ -42,7 +42,8 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-#: the newest files are kept up to this size in all (about 3 full runs at 15 kB a file)
+#: the files most recently used are kept up to this size in all (a full run of the jax
+#: backend, four dtypes, writes ~1400 files, ~20 MB)
 MAX_BYTES = 256 << 20
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -83,13 +84,21 @@ def software_and_machine(jax, flax, *more_sources: str) -> str:
 
     here = Path(__file__)
     sources = [p.read_bytes() for p in (here.with_name("flax_nnx.py"), here, *map(Path, more_sources))]
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "TF_")))
-    config = sorted((k, repr(v)) for k, v in jax.config.values.items())
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith(("XLA_", "JAX_", "TF_", "FLAX_")))
+    flax_config = sorted((k, repr(v)) for k, v in vars(getattr(flax, "config", object())).items()
+                         if not k.startswith("_"))
     backend = jax.extend.backend.get_backend() if hasattr(jax, "extend") else None
     return "\n".join([
         f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__}",
-        *(hashlib.sha256(s).hexdigest() for s in sources), repr(env), repr(config),
+        *(hashlib.sha256(s).hexdigest() for s in sources), repr(env), stable_text(flax_config),
         stable_text(jax.devices()), str(getattr(backend, "platform_version", "")), _cpu()])
+
+
+def jax_config(jax) -> str:
+    """JAX's configuration values now (read at every new signature: a context manager
+    such as jax.default_matmul_precision may change them between calls)."""
+    return repr(sorted((k, repr(v)) for k, v in jax.config.values.items()))
 
 
 class Executables:
@@ -103,7 +112,11 @@ class Executables:
     def function(self, static: str, build: Callable[[], Callable]) -> Callable:
         """A callable like jax.jit(build()) whose executables come from this cache;
         `static` names the function and every value baked into it (stable_text of its
-        GraphDef and constants)."""
+        GraphDef and Python constants). Arrays must be arguments, never baked in: their
+        text is abbreviated (8 digits, "..." past 1000 elements), so it cannot key them."""
+        if "rray(" in static or "..." in static:
+            raise ValueError("an array in the static text of a cached function: pass it "
+                             "as an argument (its repr cannot tell values apart)")
         return _Cached(self, static, build)
 
     # ---------------------------------------------------------------- disk
@@ -118,7 +131,9 @@ class Executables:
             payload = pickle.loads(zlib.decompress(path.read_bytes()))
             from jax.experimental.serialize_executable import deserialize_and_load
 
-            return deserialize_and_load(*payload)
+            exe = deserialize_and_load(*payload)
+            os.utime(path)  # used: the newest are kept (prune)
+            return exe
         except Exception:  # noqa: BLE001 - absent, partial, stale: a miss either way
             return None
 
@@ -148,7 +163,14 @@ class Executables:
 
 
 def prune(directory: Path, max_bytes: int) -> None:
-    """Delete the oldest files until the folder holds at most max_bytes."""
+    """Delete the files least recently used until the folder holds at most max_bytes,
+    and temporary files an hour old (a write cut short)."""
+    for p in directory.glob("*.tmp"):
+        try:
+            if time.time() - p.stat().st_mtime > 3600:
+                p.unlink(missing_ok=True)
+        except OSError:
+            continue
     files = []
     for p in directory.glob("*.xla"):
         try:
@@ -184,7 +206,8 @@ class _Cached:
         if found is None:
             start = time.perf_counter()
             key = hashlib.sha256("\n".join(
-                [self.cache.salt, self.static, stable_text(signature)]).encode()).hexdigest()
+                [self.cache.salt, jax_config(jax), self.static,
+                 stable_text(signature)]).encode()).hexdigest()
             exe = self.cache.load(key)
             loaded = exe is not None
             if exe is None:

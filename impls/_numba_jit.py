@@ -13,6 +13,7 @@ them recompiles all. Other code's numba caches are untouched."""
 
 import hashlib
 import os
+import threading
 import time
 
 from numba import njit
@@ -79,7 +80,8 @@ class CompileTimer:
 
     def __init__(self):
         self.seconds = 0.0
-        self._depth = 0  # a kernel's compile compiles the kernels it calls: count it once
+        # per thread: a kernel's compile compiles the kernels it calls, counted once
+        self._local = threading.local()
 
     def time(self, dispatcher):
         """`dispatcher`, its compile timed from now on (once, however often asked)."""
@@ -88,13 +90,14 @@ class CompileTimer:
         compile_ = dispatcher.compile
 
         def timed(sig):
-            self._depth += 1
+            local = self._local
+            local.depth = getattr(local, "depth", 0) + 1
             start = time.perf_counter()
             try:
                 return compile_(sig)
             finally:
-                self._depth -= 1
-                if self._depth == 0:
+                local.depth -= 1
+                if local.depth == 0:
                     self.seconds += time.perf_counter() - start
 
         dispatcher.compile = timed

@@ -170,7 +170,7 @@ def _half_moments(k, s1, s2, d, eps, centre):
 
 
 #: Elements summed in float32 before the block's sums are added in float64.
-SUM_BLOCK = 512
+SUM_BLOCK = 128
 #: Largest (mean - shift)^2 / variance the float32 block sums are trusted with.
 MAX_SHIFT_RATIO = 16.0
 #: Below this mean square (of x - shift) float32 squares may have underflowed.
@@ -181,10 +181,12 @@ TINY_MEAN_SQUARE = 2.0 ** -80
 def _half_sums32(xr, d, k, dec):
     """_half_sums with the arithmetic in float32 over blocks of SUM_BLOCK elements, each
     block's sums added in float64: float32 has no conversion to float64 per element,
-    which made the sums cost as much as the rest of the forward. Each float32 sum adds
-    at most ~15 roundings (SUM_BLOCK over the vector lanes, then their tree), 2^-20
-    relative; the caller checks when that is not enough. (Rows are sliced per block so
-    that every index starts at 0: Numba then knows it is not negative.)"""
+    which made the sums cost as much as the rest of the forward. A float32 block sum
+    rounds at most SUM_BLOCK / lanes + log2(lanes) times as LLVM vectorizes it (16 lanes
+    here: 12 roundings, 2^-20.4 relative), and at most SUM_BLOCK times (2^-17) were the
+    loop ever compiled scalar; the caller checks when either is not enough. (Rows are
+    sliced per block so that every index starts at 0: Numba then knows it is not
+    negative.)"""
     s1 = 0.0
     s2 = 0.0
     for j0 in range(0, d, SUM_BLOCK):
@@ -203,12 +205,14 @@ def _half_sums32(xr, d, k, dec):
 @inline
 def _half_stats(xr, d, eps, centre, dec):
     """Mean and 1/std of a 16-bit row (mean 0 for RMSNorm), from shifted sums (k = x[0])
-    taken in float32 blocks. Their error, relative to the variance, is at most ~45
-    roundings times (1 + c^2), c = |mean - k| / std: with c^2 <= MAX_SHIFT_RATIO that is
-    below 2^-14, a sixteenth of a float16 half-ulp. A row outside that (x[0] an outlier),
-    or whose float32 squares may have overflowed (bfloat16 beyond ~1e19), underflowed
-    (mean square below TINY_MEAN_SQUARE) or met NaN/inf, is summed again in float64, as
-    every row was before."""
+    taken in float32 blocks. Their error, relative to the variance, is at most 3 block
+    roundings (see _half_sums32) times (1 + c^2), c = |mean - k| / std: with c^2 <=
+    MAX_SHIFT_RATIO, below 2^-14.7 vectorized as here (rstd off by 2^-15.7, a 26th of
+    float16's unit roundoff) and below 2^-11.3 even scalar (2^-12.3, under half of it,
+    which the output bound of the conformance checks covers). A row outside that (x[0]
+    an outlier), or whose float32 squares may have overflowed (bfloat16 beyond ~1e19),
+    underflowed (mean square below TINY_MEAN_SQUARE) or met NaN/inf, is summed again in
+    float64, as every row was before."""
     k = dec(xr[0]) if centre else np.float32(0.0)
     s1, s2 = _half_sums32(xr, d, k, dec)
     m1 = s1 / d

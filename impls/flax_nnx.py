@@ -132,33 +132,37 @@ class FlaxBackend(Backend):
         which changes nothing about what Flax computes."""
         nnx = self.nnx
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-        fn = self._compiled(graphdef, rest, grad_output is not None)
+        fn = self._compiled(graphdef, grad_output is not None)
         if grad_output is None:
-            return Result(_np(fn(self._dev(x), params)))
-        y, (gx, gp) = fn(self._dev(x), params, self._dev(grad_output))
+            return Result(_np(fn(self._dev(x), params, rest)))
+        y, (gx, gp) = fn(self._dev(x), params, rest, self._dev(grad_output))
         grads = [None if n is None else _np(gp[n].get_value()).reshape(shape) for n in names]
         return Result(_np(y), _np(gx), *grads)
 
-    def _compiled(self, graphdef, rest, with_grad):
+    def _compiled(self, graphdef, with_grad):
+        """The jitted forward of (x, params, rest) (and VJP of x and params given g);
+        `rest`, the module's other state, is an argument, never a closed-over constant."""
         key = (graphdef, with_grad)
         fn = self._cache.get(key)
         if fn is None:
             jax, nnx = self.jax, self.nnx
 
-            def forward(xv, pv):
-                return nnx.merge(graphdef, pv, rest)(xv)
+            def forward(xv, pv, ov):
+                return nnx.merge(graphdef, pv, ov)(xv)
 
-            def forward_and_vjp(xv, pv, g):
-                y, vjp = jax.vjp(forward, xv, pv)
+            def forward_and_vjp(xv, pv, ov, g):
+                y, vjp = jax.vjp(lambda a, b: forward(a, b, ov), xv, pv)
                 return y, vjp(g)
 
             fn = self._cache[key] = self._jit(
-                forward_and_vjp if with_grad else forward, "norm", with_grad, graphdef, rest)
+                forward_and_vjp if with_grad else forward, "norm", with_grad, graphdef)
         return fn
 
     def _jit(self, f, *static):
-        """jax.jit(f), its executables kept on disk under `static` (every value f's trace
-        depends on besides its arguments: GraphDefs, closed-over state, constants)."""
+        """jax.jit(f), its executables kept on disk under `static`: every value f's trace
+        depends on besides its arguments (GraphDefs, Python numbers and flags). Arrays
+        and module state are never closed over: they are arguments, so the key holds
+        their shapes and dtypes and the executable takes their values."""
         return self._executables.function("\n".join(map(stable_text, static)), lambda: f)
 
     def _axes_kwargs(self, normalized_shape):
@@ -203,20 +207,20 @@ class FlaxBackend(Backend):
         key = ("fused", graphdef, grads)
         fn = self._cache.get(key)
         if fn is None:
-            def forward(xv, rv, pv):
+            def forward(xv, rv, pv, ov):
                 r = xv + rv
-                return nnx.merge(graphdef, pv, rest)(r), r
+                return nnx.merge(graphdef, pv, ov)(r), r
 
-            def forward_and_vjp(xv, rv, pv, gy, gr):
-                out, vjp = jax.vjp(forward, xv, rv, pv)
+            def forward_and_vjp(xv, rv, pv, ov, gy, gr):
+                out, vjp = jax.vjp(lambda a, b, c: forward(a, b, c, ov), xv, rv, pv)
                 return out, vjp((gy, gr))
 
             fn = self._cache[key] = self._jit(forward_and_vjp if grads else forward,
-                                              "fused", grads, graphdef, rest)
+                                              "fused", grads, graphdef)
         if not grads:
-            y, r = fn(self._dev(x), self._dev(residual), params)
+            y, r = fn(self._dev(x), self._dev(residual), params, rest)
             return FusedAddNormResult(_np(y), _np(r))
-        (y, r), (gx, gres, gp) = fn(self._dev(x), self._dev(residual), params,
+        (y, r), (gx, gres, gp) = fn(self._dev(x), self._dev(residual), params, rest,
                                     *(self._dev(g) for g in grad_outputs))
         gw, gb = (None if n is None else _np(gp[n].get_value()).reshape(shape)
                   for n in (names + [None])[:2])
@@ -228,9 +232,10 @@ class FlaxBackend(Backend):
         jax, jnp, nnx = self.jax, self.jnp, self.nnx
         m, _ = self._norm_module(op, x.dtype, tuple(normalized_shape), weight, bias, eps)
         graphdef, params, rest = nnx.split(m, nnx.Param, ...)
-        fn = self._compiled(graphdef, rest, grad_output is not None)
+        fn = self._compiled(graphdef, grad_output is not None)
         x_j = jnp.asarray(x)
-        args = (x_j, params) if grad_output is None else (x_j, params, jnp.asarray(grad_output))
+        args = (x_j, params, rest) if grad_output is None else (
+            x_j, params, rest, jnp.asarray(grad_output))
         return lambda: jax.block_until_ready(fn(*args))
 
     def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
@@ -244,17 +249,17 @@ class FlaxBackend(Backend):
         key = ("qk", norms[0][0], norms[1][0], float(scale))
         fn = self._cache.get(key)
         if fn is None:
-            (gq, _, rq), (gk, _, rk) = norms
+            gq, gk = norms[0][0], norms[1][0]
 
-            def scores(qv, kv, pq, pk):
-                q_hat = nnx.merge(gq, pq, rq)(qv)
-                k_hat = nnx.merge(gk, pk, rk)(kv)
+            def scores(qv, kv, pq, pk, oq, ok):
+                q_hat = nnx.merge(gq, pq, oq)(qv)
+                k_hat = nnx.merge(gk, pk, ok)(kv)
                 s = jnp.matmul(q_hat, jnp.swapaxes(k_hat, -1, -2)) * jnp.asarray(scale, q_hat.dtype)
                 return s.astype(qv.dtype)
 
-            fn = self._cache[key] = self._jit(scores, "qk", float(scale), *norms[0][::2],
-                                              *norms[1][::2])
-        return _np(fn(self._dev(q), self._dev(k), norms[0][1], norms[1][1]))
+            fn = self._cache[key] = self._jit(scores, "qk", float(scale), gq, gk)
+        return _np(fn(self._dev(q), self._dev(k), norms[0][1], norms[1][1], norms[0][2],
+                      norms[1][2]))
 
     def softcap(self, scores, cap):
         s = self.jnp.asarray(scores)
@@ -292,36 +297,37 @@ class FlaxBatchNorm(BatchNormLayer):
     def forward(self, x, grad_output=None):
         nnx = self.b.nnx
         graphdef, params, stats, rest = nnx.split(self.module, nnx.Param, nnx.BatchStat, ...)
-        fn = self._compiled(graphdef, rest, self._use_running_average(), grad_output is not None)
+        fn = self._compiled(graphdef, self._use_running_average(), grad_output is not None)
         if grad_output is None:
-            y, new_stats = fn(self.b._dev(x), params, stats)
+            y, new_stats = fn(self.b._dev(x), params, stats, rest)
             nnx.update(self.module, new_stats)
             return Result(_np(y))
-        y, new_stats, (gx, gp, _) = fn(self.b._dev(x), params, stats,
+        y, new_stats, (gx, gp, _) = fn(self.b._dev(x), params, stats, rest,
                                        self.b._dev(grad_output))
         nnx.update(self.module, new_stats)
         gw = _np(gp["scale"].get_value()) if "scale" in gp else None
         gb = _np(gp["bias"].get_value()) if "bias" in gp else None
         return Result(_np(y), _np(gx), gw, gb)
 
-    def _compiled(self, graphdef, rest, ura, with_grad):
-        """The forward (and VJP) as one jitted function of (x, params, stats); statistics go
-        in as arguments so the forward may update them, and come back out."""
+    def _compiled(self, graphdef, ura, with_grad):
+        """The forward (and VJP) as one jitted function of (x, params, stats, rest);
+        statistics go in as arguments so the forward may update them, and come back out."""
         key = ("bn", graphdef, ura, with_grad)
         fn = self.b._cache.get(key)
         if fn is None:
             jax, nnx = self.b.jax, self.b.nnx
 
-            def forward(xv, pv, sv):
-                m = nnx.merge(graphdef, pv, sv, rest)
+            def forward(xv, pv, sv, ov):
+                m = nnx.merge(graphdef, pv, sv, ov)
                 return m(xv, use_running_average=ura), nnx.state(m, nnx.BatchStat)
 
-            def forward_and_vjp(xv, pv, sv, g):
-                y, vjp, new_stats = jax.vjp(forward, xv, pv, sv, has_aux=True)
+            def forward_and_vjp(xv, pv, sv, ov, g):
+                y, vjp, new_stats = jax.vjp(lambda a, b, c: forward(a, b, c, ov), xv, pv, sv,
+                                            has_aux=True)
                 return y, new_stats, vjp(g)
 
             fn = self.b._cache[key] = self.b._jit(forward_and_vjp if with_grad else forward,
-                                                  "bn", ura, with_grad, graphdef, rest)
+                                                  "bn", ura, with_grad, graphdef)
         return fn
 
     @property

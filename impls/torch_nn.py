@@ -89,10 +89,10 @@ class TorchBackend(Backend):
             self.conventions = dataclasses.replace(self.conventions, sync_batch_norm_refused=True,
                                                    reasons=reasons)
 
-
     def compile_seconds(self) -> float:
         """Eager torch runs kernels built with torch: nothing is compiled."""
         return 0.0
+
     def data_parallel_batch_norm(self, steps, *, sync, eps, momentum, dtype, weight, bias,
                                  grad_outputs=None):
         """DistributedDataParallel over BatchNorm (SyncBatchNorm with sync) in

@@ -152,3 +152,45 @@ def test_prune_keeps_the_newest(tmp_path):
         os.utime(p, (i, i))
     cache_module.prune(tmp_path, 250)
     assert sorted(p.name for p in tmp_path.glob("*.xla")) == ["3.xla", "4.xla"]
+
+
+def test_loaded_executables_give_the_bits_of_plain_jit(tmp_path, monkeypatch):
+    """The reference without the cache at all: jax.jit(f)(*args), as a user calls it."""
+    import jax
+
+    monkeypatch.setattr(cache_module.Executables, "function",
+                        lambda self, static, build: jax.jit(build()))
+    plain = _seeded_calls(FlaxBackend())
+    monkeypatch.undo()
+    _seeded_calls(_backend(monkeypatch, tmp_path))  # stores
+    loaded = _seeded_calls(_backend(monkeypatch, tmp_path))
+    assert _same_bits(plain, loaded)
+
+
+def test_module_state_is_an_argument_not_a_baked_constant(tmp_path, monkeypatch):
+    """State beside the parameters (here an offset) is passed to the executable, so two
+    arrays that print alike (an array's repr keeps 8 digits) give their own results."""
+    from flax import nnx
+
+    b = _backend(monkeypatch, tmp_path)
+
+    class Offset(nnx.Module):
+        def __init__(self, value):
+            self.norm = nnx.RMSNorm(4, use_scale=False, rngs=nnx.Rngs(0))
+            self.offset = nnx.Variable(np.array([1.0, 2.0, 3.0, value]))
+
+        def __call__(self, x):
+            return self.norm(x) + self.offset[...]
+
+    x = np.ones((2, 4))
+    first = b._apply(Offset(1.0), x, None, [], (4,)).output
+    second = _backend(monkeypatch, tmp_path)._apply(Offset(1.000000001), x, None, [], (4,)).output
+    assert second[0, 3] - first[0, 3] == pytest.approx(1e-9, rel=1e-3)
+
+
+def test_an_array_in_the_static_text_is_refused():
+    import jax
+
+    cache = cache_module.Executables(jax, "salt", None)
+    with pytest.raises(ValueError, match="pass it as an argument"):
+        cache.function(cache_module.stable_text(np.arange(3.0)), lambda: (lambda x: x))
