@@ -8,7 +8,8 @@ most of the jax backend's time). This cache keys an executable on what the lower
 is a function of, all of it known before tracing:
 
 - the software: jax, jaxlib and flax versions, the source of the adapter and of this
-  file, every JAX configuration value, every XLA_*/JAX_*/TF_* environment variable;
+  file, flax's configuration, every XLA_*/JAX_*/TF_*/FLAX_* environment variable, and
+  every JAX configuration value as it is at each new argument signature;
 - the machine: the devices JAX sees, the runtime's platform version, the CPU's model and
   feature flags (XLA compiles for the host's instruction set);
 - the function: what the adapter compiles (a name and its static values) and the Flax
@@ -197,6 +198,11 @@ class _Cached:
             self._jitted = self.cache.jax.jit(self.build())
         return self._jitted.lower(*args).compile()
 
+    def _compiled_and_stored(self, key: str, args):
+        exe = self._compile(args)
+        self.cache.store(key, exe)
+        return exe
+
     def __call__(self, *args):
         jax = self.cache.jax
         leaves, tree = jax.tree.flatten(args)
@@ -211,8 +217,7 @@ class _Cached:
             exe = self.cache.load(key)
             loaded = exe is not None
             if exe is None:
-                exe = self._compile(args)
-                self.cache.store(key, exe)
+                exe = self._compiled_and_stored(key, args)
             found = self._by_signature[signature] = [exe, loaded, key]
             self.cache.seconds += time.perf_counter() - start
         exe, loaded, key = found
@@ -222,7 +227,8 @@ class _Cached:
             return exe(*args)
         except Exception:  # noqa: BLE001 - a stored executable that cannot run: compile afresh
             self.cache.forget(key)
-            exe = self._compile(args)
-            self.cache.store(key, exe)
+            start = time.perf_counter()
+            exe = self._compiled_and_stored(key, args)
+            self.cache.seconds += time.perf_counter() - start
             found[:] = [exe, False, key]
             return exe(*args)

@@ -144,11 +144,11 @@ def replica_run(state: dict, job: dict) -> dict:
     sizes = [[x.shape[0] for x in step] for step in steps]
     n = max(max(row) for row in sizes)
     masked = any(size != n for row in sizes for size in row)
-    key = (graphdef, world, grads is not None, masked, steps[0][0].shape[1:])
-    fn = state["cache"].get(key)
+    # one cached function per configuration; it keeps an executable per input shape
+    static = stable_text((graphdef, world, grads is not None, masked))
+    fn = state["cache"].get(static)
     if fn is None:
-        static = stable_text((graphdef, world, grads is not None, masked))
-        fn = state["cache"][key] = state["executables"].function(
+        fn = state["cache"][static] = state["executables"].function(
             static, lambda: _step_fn(graphdef, world, grads is not None, masked))
     # replicated state, as a data-parallel loop holds it: one copy per replica
     params, stats = (jax.tree_util.tree_map(lambda v: jnp.stack([v] * world), tree)
