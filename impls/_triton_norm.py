@@ -100,6 +100,17 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
 
 
 @triton.jit
+def _bwd_block(x_row, g_row, W, cols, mask, stride_xn, stride_gn, mean, rstd,
+               acc_t: tl.constexpr):
+    """One column block of a long row in the backward: (g, x_hat, h = g W) in acc_t, zero
+    outside the row. Both passes over the row load it again (the row does not fit)."""
+    x = tl.load(x_row + cols * stride_xn, mask=mask, other=0.0).to(acc_t)
+    g = tl.load(g_row + cols * stride_gn, mask=mask, other=0.0).to(acc_t)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(acc_t)
+    return g, tl.where(mask, (x - mean) * rstd, 0.0), g * w
+
+
+@triton.jit
 def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, stride_gn,
              stride_dxm, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              ONE_BLOCK: tl.constexpr, CENTRE: tl.constexpr, ACC64: tl.constexpr):
@@ -165,11 +176,8 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
                 mask = cols < N
-                x = tl.load(x_row + cols * stride_xn, mask=mask, other=0.0).to(acc_t)
-                g = tl.load(g_row + cols * stride_gn, mask=mask, other=0.0).to(acc_t)
-                w = tl.load(W + cols, mask=mask, other=0.0).to(acc_t)
-                xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-                h = g * w
+                g, xhat, h = _bwd_block(x_row, g_row, W, cols, mask, stride_xn, stride_gn,
+                                        mean, rstd, acc_t)
                 if CENTRE:
                     sh += h
                 shx += h * xhat
@@ -179,11 +187,8 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
                 mask = cols < N
-                x = tl.load(x_row + cols * stride_xn, mask=mask, other=0.0).to(acc_t)
-                g = tl.load(g_row + cols * stride_gn, mask=mask, other=0.0).to(acc_t)
-                w = tl.load(W + cols, mask=mask, other=0.0).to(acc_t)
-                xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-                h = g * w
+                g, xhat, h = _bwd_block(x_row, g_row, W, cols, mask, stride_xn, stride_gn,
+                                        mean, rstd, acc_t)
                 if CENTRE:
                     dx = (h - c2 - xhat * c1) * rstd
                 else:
