@@ -71,6 +71,12 @@ def _install_locators() -> bool:
 LOCATORS_INSTALLED = _install_locators()
 jit = njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 inline = njit(fastmath=FASTMATH, inline="always", cache=True)
+#: Functions whose arithmetic must happen in the order written, wherever they are
+#: called: no fast-math flag at all, and not inlined into a fast-math caller (Numba's
+#: inlining would give them the caller's flags); LLVM may still inline the compiled
+#: function, with its instructions' strict flags kept.
+strict = njit(cache=True, nogil=True)
+strict_inline = njit(inline="always", cache=True)
 
 
 class CompileTimer:

@@ -12,7 +12,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from . import _numba_codec as codec
-from ._numba_jit import inline, jit
+from ._numba_jit import inline, jit, strict, strict_inline
 
 
 @inline
@@ -103,6 +103,96 @@ def rms_fwd(x, w, eps, y, rstd_out, n_chunks):
                 for j in range(d):
                     yr[j] = xr[j] * s_t * w[j]
 
+#: Fewer rows than this go through the column-tiled backward (norm_bwd_cols): the
+#: partial dgamma/dbeta rows of norm_bwd ([chunks, d] float64, zeroed, updated at every
+#: row and summed) would move more bytes than the few rows themselves ([2, 2^20]: about
+#: 150 MB for 12 MB of data, measured at a tenth of the forward's speed).
+COLUMN_ROWS = 64
+#: Columns per tile of the column-tiled backward: its dgamma/dbeta sums stay in L1.
+TILE = 512
+
+
+#: Partial sums of grad_sums, each over every LANES-th element of a row.
+LANES = 16
+
+
+@strict_inline
+def _grad_sums(xr, wr, gr, mu, s, d, cv):
+    """Sums over a row of h = g gamma and h x_hat (elementwise in the precision `cv`
+    converts to, summed in float64): the terms of dx that need the whole row. Both
+    backward layouts call it, and it is compiled without reassociation, in LANES
+    partial sums, so its sums are added in this one order wherever it is called: a row's
+    dx has the same bits whatever its batch. (Reassociation let LLVM vectorize the same
+    loop differently in the two kernels: dx of a float64 row alone and in a batch of 69
+    differed in 142 of 589 elements.)"""
+    sh = np.zeros(LANES)
+    shx = np.zeros(LANES)
+    whole = d - d % LANES
+    for j0 in range(0, whole, LANES):
+        for k in range(LANES):
+            h, t = _terms(xr, wr, gr, mu, s, j0 + k, cv)
+            sh[k] += h
+            shx[k] += t
+    for j in range(whole, d):
+        h, t = _terms(xr, wr, gr, mu, s, j, cv)
+        sh[0] += h
+        shx[0] += t
+    return _fold(sh), _fold(shx)
+
+
+@strict_inline
+def _fold(a):
+    """The lanes added pairwise, in a fixed order."""
+    n = a.shape[0] // 2
+    while n >= 1:
+        for k in range(n):
+            a[k] += a[k + n]
+        n //= 2
+    return a[0]
+
+
+@strict_inline
+def _terms(xr, wr, gr, mu, s, j, cv):
+    h = cv(gr[j]) * wr[j]
+    return np.float64(h), np.float64(h * ((cv(xr[j]) - mu) * s))
+
+
+@strict_inline
+def to_f64(v):
+    return np.float64(v)
+
+
+# _grad_sums compiled on its own for each element format (a function passed to a
+# compiled, not inlined, function would make it uncacheable).
+@strict
+def grad_sums(xr, wr, gr, mu, s, d):
+    return _grad_sums(xr, wr, gr, mu, s, d, to_f64)
+
+
+@strict
+def grad_sums_f16(xr, wr, gr, mu, s, d):
+    return _grad_sums(xr, wr, gr, mu, s, d, decode_f16)
+
+
+@strict
+def grad_sums_bf16(xr, wr, gr, mu, s, d):
+    return _grad_sums(xr, wr, gr, mu, s, d, decode_bf16)
+
+
+@strict
+def dx_span(xr, gr, wr, mu, s, mh, mhx, dxr, dwr, dbr):
+    """dx over a span of a row (the whole row, or a tile of it), with the span's dgamma
+    and dbeta terms added to dwr, dbr. Strict (no contraction into FMAs, which LLVM did
+    in one kernel's loop and not in the other's): each element gets the same bits in
+    either backward layout."""
+    for j in range(xr.shape[0]):
+        gv = np.float64(gr[j])
+        xh = (np.float64(xr[j]) - mu) * s
+        dxr[j] = s * (gv * np.float64(wr[j]) - mh - xh * mhx)
+        dwr[j] += gv * xh
+        dbr[j] += gv
+
+
 @jit
 def norm_bwd(x, w, g, mean, rstd, dx, dw_part, db_part, n_chunks, centre):
     """dx = r (h - mean(h) - x_hat mean(h x_hat)), h = g gamma (without the mean(h) term
@@ -115,21 +205,32 @@ def norm_bwd(x, w, g, mean, rstd, dx, dw_part, db_part, n_chunks, centre):
         for r in range(c * per, min(rows, (c + 1) * per)):
             mu, s = mean[r], rstd[r]
             xr, gr, dxr = x[r], g[r], dx[r]
-            sh = 0.0
-            shx = 0.0
-            for j in range(d):
-                gv = np.float64(gr[j])
-                xh = (np.float64(xr[j]) - mu) * s
-                h = gv * w[j]
-                sh += h
-                shx += h * xh
-                dwc[j] += gv * xh
-                dbc[j] += gv
+            sh, shx = grad_sums(xr, w, gr, mu, s, d)
             mh = sh / d if centre else 0.0
             mhx = shx / d
-            for j in range(d):
-                xh = (np.float64(xr[j]) - mu) * s
-                dxr[j] = s * (np.float64(gr[j]) * w[j] - mh - xh * mhx)
+            dx_span(xr, gr, w, mu, s, mh, mhx, dxr, dwc, dbc)
+
+
+@jit
+def norm_bwd_cols(x, w, g, mean, rstd, dx, dw, db, centre):
+    """norm_bwd for few rows (fewer than COLUMN_ROWS): the row sums of every row first,
+    then dx and dgamma/dbeta tile by tile of TILE columns, each tile's sums over all rows
+    kept in L1 and written once into `dw`, `db` (float64, the final sums)."""
+    rows, d = x.shape
+    mh = np.empty(rows)
+    mhx = np.empty(rows)
+    for r in prange(rows):
+        sh, shx = grad_sums(x[r], w, g[r], mean[r], rstd[r], d)
+        mh[r] = sh / d if centre else 0.0
+        mhx[r] = shx / d
+    for t in prange((d + TILE - 1) // TILE):
+        j0, j1 = t * TILE, min(d, (t + 1) * TILE)
+        dwt, dbt, wt = dw[j0:j1], db[j0:j1], w[j0:j1]
+        dwt[:] = 0.0
+        dbt[:] = 0.0
+        for r in range(rows):
+            dx_span(x[r, j0:j1], g[r, j0:j1], wt, mean[r], rstd[r], mh[r], mhx[r],
+                    dx[r, j0:j1], dwt, dbt)
 
 
 # The codec's intrinsics wrapped as jitted functions, which a kernel can pass to the row
@@ -284,42 +385,88 @@ def half_fwd(x16, w, b, eps, y16, mean_out, rstd_out, n_chunks, fmt, centre):
 FLUSH_ROWS = 32
 
 
+@strict_inline
+def _half_dx_span(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr, dec, enc):
+    """dx_span on 16-bit rows, in float32; dwr/dbr are float32 or float64 sums."""
+    for j in range(xr.shape[0]):
+        gv = dec(gr[j])
+        xh = (dec(xr[j]) - m32) * s32
+        dxr[j] = enc(s32 * (gv * wr[j] - mh - xh * mhx))
+        dwr[j] += gv * xh
+        dbr[j] += gv
+
+
+@strict
+def half_dx_span_f16(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr):
+    _half_dx_span(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr, decode_f16, encode_f16)
+
+
+@strict
+def half_dx_span_bf16(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr):
+    _half_dx_span(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr, decode_bf16, encode_bf16)
+
+
+@inline
+def _half_dx_span_of(fmt, xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr):
+    if fmt == 0:
+        half_dx_span_f16(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr)
+    else:
+        half_dx_span_bf16(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr)
+
+
+@inline
+def _half_row_means(xr, w, gr, mean, rstd, d, centre, fmt):
+    m32, s32 = np.float32(mean), np.float32(rstd)
+    if fmt == 0:
+        sh, shx = grad_sums_f16(xr, w, gr, m32, s32, d)
+    else:
+        sh, shx = grad_sums_bf16(xr, w, gr, m32, s32, d)
+    mh = np.float32(sh / d) if centre else np.float32(0.0)
+    return m32, s32, mh, np.float32(shx / d)
+
+
 @inline
 def _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dwc, dbc, dw32, db32, r0, r1, centre,
-                   dec, enc):
+                   fmt):
     """Rows r0..r1 of the half backward: the first pass decodes x and g and sums; the
-    second decodes them again from cache (no scratch rows) and writes dx, encoded once.
-    Elementwise arithmetic in float32 (its rounding is 2^13 times below a float16 ulp);
-    the row sums in float64; dgamma/dbeta summed in float32 over at most FLUSH_ROWS rows
-    (`dw32`, `db32`), then added to the chunk's float64 sums."""
+    second decodes them again from cache (no scratch rows), writes dx, encoded once, and
+    adds the dgamma/dbeta terms. Elementwise arithmetic in float32 (its rounding is 2^13
+    times below a float16 ulp); the row sums in float64; dgamma/dbeta summed in float32
+    over at most FLUSH_ROWS rows (`dw32`, `db32`), then added to the chunk's float64
+    sums."""
     d = x16.shape[1]
     for j in range(d):
         dw32[j] = 0.0
         db32[j] = 0.0
     for r in range(r0, r1):
-        m32, s32 = np.float32(mean[r]), np.float32(rstd[r])
         xr, gr, dxr = x16[r], g16[r], dx16[r]
-        sh = 0.0
-        shx = 0.0
-        for j in range(d):
-            gv = dec(gr[j])
-            xh = (dec(xr[j]) - m32) * s32
-            h = gv * w[j]
-            sh += np.float64(h)
-            shx += np.float64(h * xh)
-            dw32[j] += gv * xh
-            db32[j] += gv
-        mh = np.float32(sh / d) if centre else np.float32(0.0)
-        mhx = np.float32(shx / d)
-        for j in range(d):
-            xh = (dec(xr[j]) - m32) * s32
-            dxr[j] = enc(s32 * (dec(gr[j]) * w[j] - mh - xh * mhx))
+        m32, s32, mh, mhx = _half_row_means(xr, w, gr, mean[r], rstd[r], d, centre, fmt)
+        _half_dx_span_of(fmt, xr, gr, w, m32, s32, mh, mhx, dxr, dw32, db32)
         if (r - r0) % FLUSH_ROWS == FLUSH_ROWS - 1 or r == r1 - 1:
             for j in range(d):
                 dwc[j] += np.float64(dw32[j])
                 dbc[j] += np.float64(db32[j])
                 dw32[j] = 0.0
                 db32[j] = 0.0
+
+
+@jit
+def half_bwd_cols(x16, w, g16, mean, rstd, dx16, dw, db, fmt, centre):
+    """norm_bwd_cols on float16 (fmt 0) / bfloat16 (fmt 1) bits: _half_row_means of
+    every row, then dx and the dgamma/dbeta sums (float64) tile by tile."""
+    rows, d = x16.shape
+    means = np.empty((rows, 4), np.float32)
+    for r in prange(rows):
+        means[r, 0], means[r, 1], means[r, 2], means[r, 3] = _half_row_means(
+            x16[r], w, g16[r], mean[r], rstd[r], d, centre, fmt)
+    for t in prange((d + TILE - 1) // TILE):
+        j0, j1 = t * TILE, min(d, (t + 1) * TILE)
+        dwt, dbt, wt = dw[j0:j1], db[j0:j1], w[j0:j1]
+        dwt[:] = 0.0
+        dbt[:] = 0.0
+        for r in range(rows):
+            _half_dx_span_of(fmt, x16[r, j0:j1], g16[r, j0:j1], wt, means[r, 0], means[r, 1],
+                             means[r, 2], means[r, 3], dx16[r, j0:j1], dwt, dbt)
 
 
 @jit
@@ -333,9 +480,5 @@ def half_bwd(x16, w, g16, mean, rstd, dx16, dw_part, db_part, dw32, db32, n_chun
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         r0, r1 = c * per, min(rows, (c + 1) * per)
-        if fmt == 0:
-            _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], dw32[c],
-                           db32[c], r0, r1, centre, decode_f16, encode_f16)
-        else:
-            _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], dw32[c],
-                           db32[c], r0, r1, centre, decode_bf16, encode_bf16)
+        _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], dw32[c], db32[c],
+                       r0, r1, centre, fmt)

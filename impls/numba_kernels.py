@@ -51,7 +51,9 @@ def _kernels():
     from ._numba_jit import COMPILING
 
     kernels = dict(ln_fwd=rows.ln_fwd, rms_fwd=rows.rms_fwd, norm_bwd=rows.norm_bwd,
-                   half_fwd=rows.half_fwd, half_bwd=rows.half_bwd, bn_stats=bn.bn_stats,
+                   norm_bwd_cols=rows.norm_bwd_cols, half_fwd=rows.half_fwd,
+                   half_bwd=rows.half_bwd, half_bwd_cols=rows.half_bwd_cols,
+                   bn_stats=bn.bn_stats,
                    bn_apply=bn.bn_apply, bn_bwd=bn.bn_bwd, add_norm_fwd=fused.add_norm_fwd,
                    half_add_norm_fwd=fused.half_add_norm_fwd)
     return {name: COMPILING.time(k) for name, k in kernels.items()}
@@ -88,6 +90,13 @@ def _half_params(w, b, dtype):
             and np.array_equal(bh.astype(np.float32), b, equal_nan=True)):
         return wh.view(np.uint16), bh.view(np.uint16)
     return w, b
+
+
+def _few_rows(x):
+    """Whether the backward of rows `x` takes the column-tiled kernels."""
+    from ._numba_rows import COLUMN_ROWS
+
+    return x.shape[0] < COLUMN_ROWS
 
 
 def _chunks(rows):
@@ -133,14 +142,21 @@ class NumbaBackend(Backend):
         return y, mean, rstd
 
     def _backward(self, op, xr, w, g, mean, rstd, out=None):
+        """dx, dgamma, dbeta; `out` as prepare_benchmark makes it. Few rows take the
+        column-tiled kernel, which writes the final dgamma/dbeta into the first of the
+        partial rows (see _numba_rows.COLUMN_ROWS)."""
         n_chunks = _chunks(xr.shape[0])
         d = xr.shape[1]
         dx, dw_part, db_part = out if out is not None else (
             np.empty_like(xr), np.empty((n_chunks, d)), np.empty((n_chunks, d)))
+        centre = op == "layer_norm"
+        # gamma stays in x's dtype: the kernels widen each element (exactly) as they read it
+        if _few_rows(xr):
+            self.k["norm_bwd_cols"](xr, w, g, mean, rstd, dx, dw_part[0], db_part[0], centre)
+            return dx, dw_part[0], db_part[0]
         dw_part[...] = 0.0
         db_part[...] = 0.0
-        self.k["norm_bwd"](xr, w.astype(np.float64), g, mean, rstd, dx, dw_part, db_part,
-                           n_chunks, op == "layer_norm")
+        self.k["norm_bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, n_chunks, centre)
         return dx, dw_part.sum(axis=0), db_part.sum(axis=0)
 
     def _half_forward(self, op, x16, fmt, params, eps, out=None):
@@ -153,12 +169,18 @@ class NumbaBackend(Backend):
         return y16, mean, rstd
 
     def _half_backward(self, op, x16, fmt, w, g16, mean, rstd, out=None):
+        """As _backward, on 16-bit patterns."""
         n_chunks = _chunks(x16.shape[0])
         dx16, dw_part, db_part, dw32, db32 = out if out is not None else _half_bwd_out(x16)
+        centre = op == "layer_norm"
+        if _few_rows(x16):
+            self.k["half_bwd_cols"](x16, w, g16, mean, rstd, dx16, dw_part[0], db_part[0], fmt,
+                                    centre)
+            return dx16, dw_part[0], db_part[0]
         dw_part[...] = 0.0
         db_part[...] = 0.0
         self.k["half_bwd"](x16, w, g16, mean, rstd, dx16, dw_part, db_part, dw32, db32,
-                           n_chunks, fmt, op == "layer_norm")
+                           n_chunks, fmt, centre)
         return dx16, dw_part.sum(axis=0), db_part.sum(axis=0)
 
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):

@@ -1,0 +1,91 @@
+"""The numba backend's two backward layouts: rows in chunks (norm_bwd, half_bwd) and,
+for fewer than COLUMN_ROWS rows, column tiles (norm_bwd_cols, half_bwd_cols). A row's dx
+must have the same bits in both, so that a sample's gradient does not depend on the size
+of its batch; dgamma/dbeta are sums over the batch and only agree to rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from normspec.conformance.cases import dtype_of  # noqa: E402
+from normspec.impls import numba_kernels  # noqa: E402
+from normspec.impls._numba_rows import COLUMN_ROWS, TILE  # noqa: E402
+from normspec.impls.protocol import DTYPES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return numba_kernels.make_backend()
+
+
+def _run(backend, op, x, w, b, g):
+    if op == "layer_norm":
+        return backend.layer_norm(x, (x.shape[-1],), w, b, 1e-5, grad_output=g)
+    return backend.rms_norm(x, (x.shape[-1],), w, 1e-5, grad_output=g)
+
+
+def _counting(backend, monkeypatch):
+    """The backend with its backward kernels counted by name."""
+    calls: dict[str, int] = {}
+    for name in ("norm_bwd", "norm_bwd_cols", "half_bwd", "half_bwd_cols"):
+        kernel = backend.k[name]
+
+        def counted(*args, _k=kernel, _n=name):
+            calls[_n] = calls.get(_n, 0) + 1
+            return _k(*args)
+        monkeypatch.setitem(backend.k, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dx_has_the_same_bits_in_both_layouts(backend, monkeypatch, op, dtype):
+    npdt = dtype_of(dtype)
+    rng = np.random.default_rng(7)
+    d = TILE + 77  # a whole tile and a partial one
+    batch = COLUMN_ROWS + 5
+    x = (rng.standard_normal((batch, d)) * 3 + 1).astype(npdt)
+    g = rng.standard_normal((batch, d)).astype(npdt)
+    w = (1 + rng.standard_normal(d) / 4).astype(npdt)
+    b = rng.standard_normal(d).astype(npdt)
+    spans = ((0, 1), (3, 2), (batch - 7, 7))  # first row, middle rows, last rows
+    calls = _counting(backend, monkeypatch)
+    whole = _run(backend, op, x, w, b, g)
+    few = [_run(backend, op, x[i:i + n], w, b, g[i:i + n]) for i, n in spans]
+    half = dtype in ("float16", "bfloat16")
+    rows_kernel, cols_kernel = ("half_bwd", "half_bwd_cols") if half else ("norm_bwd",
+                                                                         "norm_bwd_cols")
+    assert calls == {rows_kernel: 1, cols_kernel: len(spans)}, calls
+    for (i, n), res in zip(spans, few, strict=True):
+        got = np.asarray(res.grad_input).view(np.uint8)
+        expected = np.asarray(whole.grad_input)[i:i + n].view(np.uint8)
+        assert np.array_equal(got, expected), (
+            f"dx of rows {i}..{i + n} alone differs from the same rows in a batch of "
+            f"{batch} ({dtype} {op})")
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+def test_column_layout_dgamma_dbeta_are_the_sums(backend, op, dtype):
+    """The column tiles' dgamma/dbeta against NumPy's float64 sums of the same terms,
+    across several tiles and a partial one."""
+    npdt = dtype_of(dtype)
+    rng = np.random.default_rng(3)
+    rows, d = 5, 3 * TILE + 9
+    x = rng.standard_normal((rows, d)).astype(npdt)
+    g = rng.standard_normal((rows, d)).astype(npdt)
+    w = np.ones(d, npdt)
+    res = _run(backend, op, x, w, np.zeros(d, npdt), g)
+    x64, g64 = x.astype(np.float64), g.astype(np.float64)
+    mean = x64.mean(-1, keepdims=True) if op == "layer_norm" else 0.0
+    ms = ((x64 - mean) ** 2).mean(-1, keepdims=True)
+    x_hat = (x64 - mean) / np.sqrt(ms + 1e-5)
+    rtol = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3}[dtype]
+    np.testing.assert_allclose(np.asarray(res.grad_weight, np.float64),
+                               (g64 * x_hat).sum(0), rtol=rtol, atol=rtol)
+    if op == "layer_norm":
+        np.testing.assert_allclose(np.asarray(res.grad_bias, np.float64), g64.sum(0),
+                                   rtol=rtol, atol=rtol)
