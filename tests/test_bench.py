@@ -56,6 +56,24 @@ def test_ratios_to_torch_only_between_reliable_rows():
     assert shaky["vs_torch"] is None and other["vs_torch"] is None
 
 
+def test_no_ratio_to_torch_across_copies_that_disagree():
+    # torch's process saw a copy at 8 GB/s, this one at 16: each reliable on its own,
+    # but a ratio of their fractions of copy would mix two states of the machine
+    torch = bench.judge(dict(_rec(), backend="torch"), [1e-3], [1e-3], [4e-3], 8 * MB)
+    fast = bench.judge(_rec(), [0.5e-3], [0.5e-3], [1e-3], 8 * MB)
+    near = bench.judge(_rec(dtype="float16"), [1.1e-3], [1.1e-3], [1e-3], 8 * MB)
+    near_torch = bench.judge(dict(_rec(dtype="float16"), backend="torch"), [1e-3], [1e-3],
+                             [2e-3], 8 * MB)
+    bench.compare_to_torch([torch, fast, near, near_torch])
+    assert fast["reliable"] and fast["vs_torch"] is None
+    assert "16.0 GB/s in this process and 8.0 GB/s in torch's" in fast["vs_torch_note"]
+    assert "1.000 ms against torch's 4.000 ms" in fast["vs_torch_note"]
+    assert "no x torch" in bench.summary([torch, fast])
+    # 10% apart: compared, against each one's own copy
+    assert near["vs_torch"] == pytest.approx(1.1 * 2)
+    assert near["vs_torch_note"] == ""
+
+
 def test_each_backend_is_timed_in_its_own_process():
     item = dict(series="table", op="rms_norm", dtype="float32", shape=[16, 64],
                 pass_="forward", variant="protocol")
