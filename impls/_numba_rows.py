@@ -180,6 +180,11 @@ def grad_sums_bf16(xr, wr, gr, mu, s, d):
 
 
 @strict
+def grad_sums_f32(xr, wr, gr, mu, s, d):
+    return _grad_sums(xr, wr, gr, mu, s, d, as_f32)
+
+
+@strict
 def dx_span(xr, gr, wr, mu, s, mh, mhx, dxr, dwr, dbr):
     """dx over a span of a row (the whole row, or a tile of it), with the span's dgamma
     and dbeta terms added to dwr, dbr. Strict (no contraction into FMAs, which LLVM did
@@ -250,6 +255,11 @@ def encode_f16(v):
 @inline
 def encode_bf16(v):
     return codec.encode_bf16(v)
+
+@inline
+def as_f32(v):
+    """The float32 'format' of the float32-compute backward (fmt F32): values as they are."""
+    return np.float32(v)
 
 
 @inline
@@ -406,27 +416,56 @@ def half_dx_span_bf16(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr):
     _half_dx_span(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr, decode_bf16, encode_bf16)
 
 
-@inline
-def _half_dx_span_of(fmt, xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr):
-    if fmt == 0:
-        half_dx_span_f16(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr)
-    else:
-        half_dx_span_bf16(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr)
+@strict
+def dx_span_f32(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr):
+    _half_dx_span(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr, as_f32, as_f32)
+
+
+def _dx_span32_of(fmt, xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr):
+    """The compiled dx span of `fmt`: chosen by the rows' dtype at compile time for
+    float32, as a float16 kernel cannot even be typed on float32 rows."""
+
+
+@overload(_dx_span32_of, inline="always")
+def _dx_span_of(fmt, xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr):
+    if xr.dtype == types.float32:
+        return lambda fmt, xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr: dx_span_f32(
+            xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr)
+
+    def half(fmt, xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr):
+        if fmt == 0:
+            half_dx_span_f16(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr)
+        else:
+            half_dx_span_bf16(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr)
+    return half
+
+
+def _grad_sums_of(fmt, xr, w, gr, m32, s32, d):
+    """grad_sums of `fmt`, chosen as _dx_span32_of chooses."""
+
+
+@overload(_grad_sums_of, inline="always")
+def _sums_of(fmt, xr, w, gr, m32, s32, d):
+    if xr.dtype == types.float32:
+        return lambda fmt, xr, w, gr, m32, s32, d: grad_sums_f32(xr, w, gr, m32, s32, d)
+
+    def half(fmt, xr, w, gr, m32, s32, d):
+        if fmt == 0:
+            return grad_sums_f16(xr, w, gr, m32, s32, d)
+        return grad_sums_bf16(xr, w, gr, m32, s32, d)
+    return half
 
 
 @inline
-def _half_row_means(xr, w, gr, mean, rstd, d, centre, fmt):
+def _row_means32(xr, w, gr, mean, rstd, d, centre, fmt):
     m32, s32 = np.float32(mean), np.float32(rstd)
-    if fmt == 0:
-        sh, shx = grad_sums_f16(xr, w, gr, m32, s32, d)
-    else:
-        sh, shx = grad_sums_bf16(xr, w, gr, m32, s32, d)
+    sh, shx = _grad_sums_of(fmt, xr, w, gr, m32, s32, d)
     mh = np.float32(sh / d) if centre else np.float32(0.0)
     return m32, s32, mh, np.float32(shx / d)
 
 
 @inline
-def _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dwc, dbc, dw32, db32, r0, r1, centre,
+def _bwd32_rows(x16, w, g16, mean, rstd, dx16, dwc, dbc, dw32, db32, r0, r1, centre,
                    fmt):
     """Rows r0..r1 of the half backward: the first pass decodes x and g and sums; the
     second decodes them again from cache (no scratch rows), writes dx, encoded once, and
@@ -440,8 +479,8 @@ def _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dwc, dbc, dw32, db32, r0, r1, 
         db32[j] = 0.0
     for r in range(r0, r1):
         xr, gr, dxr = x16[r], g16[r], dx16[r]
-        m32, s32, mh, mhx = _half_row_means(xr, w, gr, mean[r], rstd[r], d, centre, fmt)
-        _half_dx_span_of(fmt, xr, gr, w, m32, s32, mh, mhx, dxr, dw32, db32)
+        m32, s32, mh, mhx = _row_means32(xr, w, gr, mean[r], rstd[r], d, centre, fmt)
+        _dx_span32_of(fmt, xr, gr, w, m32, s32, mh, mhx, dxr, dw32, db32)
         if (r - r0) % FLUSH_ROWS == FLUSH_ROWS - 1 or r == r1 - 1:
             for j in range(d):
                 dwc[j] += np.float64(dw32[j])
@@ -451,13 +490,14 @@ def _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dwc, dbc, dw32, db32, r0, r1, 
 
 
 @jit
-def half_bwd_cols(x16, w, g16, mean, rstd, dx16, dw, db, fmt, centre):
-    """norm_bwd_cols on float16 (fmt 0) / bfloat16 (fmt 1) bits: _half_row_means of
-    every row, then dx and the dgamma/dbeta sums (float64) tile by tile."""
+def bwd32_cols(x16, w, g16, mean, rstd, dx16, dw, db, fmt, centre):
+    """norm_bwd_cols on float16 (fmt 0) / bfloat16 (fmt 1) bits or float32 (fmt 2):
+    _row_means32 of every row, then dx and the dgamma/dbeta sums (float64) tile by
+    tile."""
     rows, d = x16.shape
     means = np.empty((rows, 4), np.float32)
     for r in prange(rows):
-        means[r, 0], means[r, 1], means[r, 2], means[r, 3] = _half_row_means(
+        means[r, 0], means[r, 1], means[r, 2], means[r, 3] = _row_means32(
             x16[r], w, g16[r], mean[r], rstd[r], d, centre, fmt)
     for t in prange((d + TILE - 1) // TILE):
         j0, j1 = t * TILE, min(d, (t + 1) * TILE)
@@ -465,20 +505,22 @@ def half_bwd_cols(x16, w, g16, mean, rstd, dx16, dw, db, fmt, centre):
         dwt[:] = 0.0
         dbt[:] = 0.0
         for r in range(rows):
-            _half_dx_span_of(fmt, x16[r, j0:j1], g16[r, j0:j1], wt, means[r, 0], means[r, 1],
+            _dx_span32_of(fmt, x16[r, j0:j1], g16[r, j0:j1], wt, means[r, 0], means[r, 1],
                              means[r, 2], means[r, 3], dx16[r, j0:j1], dwt, dbt)
 
 
 @jit
-def half_bwd(x16, w, g16, mean, rstd, dx16, dw_part, db_part, dw32, db32, n_chunks, fmt,
+def bwd32(x16, w, g16, mean, rstd, dx16, dw_part, db_part, dw32, db32, n_chunks, fmt,
              centre):
-    """norm_bwd on float16 (fmt 0) / bfloat16 (fmt 1) bits: x and g decoded and dx
-    encoded in the kernel (w in float32), partial dgamma/dbeta per chunk of rows in
+    """norm_bwd on float16 (fmt 0) / bfloat16 (fmt 1) bits, x and g decoded and dx
+    encoded in the kernel, or on float32 (fmt 2), all computed in float32 (w too), the
+    row sums in float64 (norm_bwd computes in float64: for float64 inputs); partial
+    dgamma/dbeta per chunk of rows in
     float64 (the caller adds the chunks and rounds once); dw32/db32 are float32 scratch
     rows, one per chunk, that the caller allocates with the outputs."""
     rows, d = x16.shape
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         r0, r1 = c * per, min(rows, (c + 1) * per)
-        _half_bwd_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], dw32[c], db32[c],
+        _bwd32_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], dw32[c], db32[c],
                        r0, r1, centre, fmt)

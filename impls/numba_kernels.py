@@ -31,7 +31,7 @@ from .protocol import (
 )
 
 HALF = tuple(np_dtype(name) for name in HALF_DTYPES)
-_FMT = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1}
+_FMT = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.float32): 2}
 
 try:
     import numba
@@ -52,7 +52,7 @@ def _kernels():
 
     kernels = dict(ln_fwd=rows.ln_fwd, rms_fwd=rows.rms_fwd, norm_bwd=rows.norm_bwd,
                    norm_bwd_cols=rows.norm_bwd_cols, half_fwd=rows.half_fwd,
-                   half_bwd=rows.half_bwd, half_bwd_cols=rows.half_bwd_cols,
+                   bwd32=rows.bwd32, bwd32_cols=rows.bwd32_cols,
                    bn_stats=bn.bn_stats,
                    bn_apply=bn.bn_apply, bn_bwd=bn.bn_bwd, add_norm_fwd=fused.add_norm_fwd,
                    half_add_norm_fwd=fused.half_add_norm_fwd)
@@ -68,11 +68,12 @@ def _bits(a, d):
     return np.ascontiguousarray(a).reshape(-1, d).view(np.uint16)
 
 
-def _half_bwd_out(x16):
-    """The half backward's outputs: dx bits, float64 dgamma/dbeta per chunk, and the
-    float32 scratch rows the kernel sums a few rows in before adding them."""
-    n_chunks, d = _chunks(x16.shape[0]), x16.shape[1]
-    return (np.empty_like(x16), np.empty((n_chunks, d)), np.empty((n_chunks, d)),
+def _bwd_out(xr):
+    """The backward's outputs: dx (bits for 16-bit rows), float64 dgamma/dbeta per chunk,
+    and the float32 scratch rows the float32-compute kernel sums a few rows in before
+    adding them (never touched, so never paged in, for float64 rows)."""
+    n_chunks, d = _chunks(xr.shape[0]), xr.shape[1]
+    return (np.empty_like(xr), np.empty((n_chunks, d)), np.empty((n_chunks, d)),
             np.empty((n_chunks, d), np.float32), np.empty((n_chunks, d), np.float32))
 
 
@@ -141,24 +142,6 @@ class NumbaBackend(Backend):
             self.k["rms_fwd"](xr, w, float(eps), y, rstd, n_chunks)
         return y, mean, rstd
 
-    def _backward(self, op, xr, w, g, mean, rstd, out=None):
-        """dx, dgamma, dbeta; `out` as prepare_benchmark makes it. Few rows take the
-        column-tiled kernel, which writes the final dgamma/dbeta into the first of the
-        partial rows (see _numba_rows.COLUMN_ROWS)."""
-        n_chunks = _chunks(xr.shape[0])
-        d = xr.shape[1]
-        dx, dw_part, db_part = out if out is not None else (
-            np.empty_like(xr), np.empty((n_chunks, d)), np.empty((n_chunks, d)))
-        centre = op == "layer_norm"
-        # gamma stays in x's dtype: the kernels widen each element (exactly) as they read it
-        if _few_rows(xr):
-            self.k["norm_bwd_cols"](xr, w, g, mean, rstd, dx, dw_part[0], db_part[0], centre)
-            return dx, dw_part[0], db_part[0]
-        dw_part[...] = 0.0
-        db_part[...] = 0.0
-        self.k["norm_bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, n_chunks, centre)
-        return dx, dw_part.sum(axis=0), db_part.sum(axis=0)
-
     def _half_forward(self, op, x16, fmt, params, eps, out=None):
         """`params`: gamma and beta as _half_params made them."""
         rows = x16.shape[0]
@@ -168,20 +151,31 @@ class NumbaBackend(Backend):
                            op == "layer_norm")
         return y16, mean, rstd
 
-    def _half_backward(self, op, x16, fmt, w, g16, mean, rstd, out=None):
-        """As _backward, on 16-bit patterns."""
-        n_chunks = _chunks(x16.shape[0])
-        dx16, dw_part, db_part, dw32, db32 = out if out is not None else _half_bwd_out(x16)
+    def _backward(self, op, xr, w, g, mean, rstd, fmt, out=None):
+        """dx, dgamma, dbeta of rows `xr` (float64 rows: fmt None, computed in float64;
+        else fmt of _FMT, computed in float32, 16-bit rows as their patterns); `out` as
+        _bwd_out makes it. Few rows take the column-tiled kernels, which write the final
+        dgamma/dbeta into the first of the partial rows (see _numba_rows.COLUMN_ROWS)."""
+        n_chunks = _chunks(xr.shape[0])
+        dx, dw_part, db_part, dw32, db32 = out if out is not None else _bwd_out(xr)
         centre = op == "layer_norm"
-        if _few_rows(x16):
-            self.k["half_bwd_cols"](x16, w, g16, mean, rstd, dx16, dw_part[0], db_part[0], fmt,
-                                    centre)
-            return dx16, dw_part[0], db_part[0]
+        # gamma stays in its dtype: the kernels widen each element (exactly) as they read it
+        if _few_rows(xr):
+            if fmt is None:
+                self.k["norm_bwd_cols"](xr, w, g, mean, rstd, dx, dw_part[0], db_part[0],
+                                        centre)
+            else:
+                self.k["bwd32_cols"](xr, w, g, mean, rstd, dx, dw_part[0], db_part[0], fmt,
+                                        centre)
+            return dx, dw_part[0], db_part[0]
         dw_part[...] = 0.0
         db_part[...] = 0.0
-        self.k["half_bwd"](x16, w, g16, mean, rstd, dx16, dw_part, db_part, dw32, db32,
-                           n_chunks, fmt, centre)
-        return dx16, dw_part.sum(axis=0), db_part.sum(axis=0)
+        if fmt is None:
+            self.k["norm_bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, n_chunks, centre)
+        else:
+            self.k["bwd32"](xr, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32,
+                               n_chunks, fmt, centre)
+        return dx, dw_part.sum(axis=0), db_part.sum(axis=0)
 
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):
         ct, d = compute_dtype(x.dtype), int(np.prod(normalized_shape))
@@ -195,8 +189,8 @@ class NumbaBackend(Backend):
             out = y16.view(x.dtype).reshape(x.shape)
             if grad_output is None:
                 return Result(out)
-            dx16, dw, db = self._half_backward(op, x16, fmt, w, _bits(grad_output, d),
-                                               mean, rstd)
+            dx16, dw, db = self._backward(op, x16, w, _bits(grad_output, d), mean, rstd,
+                                          fmt)
             dx = dx16.view(x.dtype)
         else:
             xr = _rows(x, d, ct)
@@ -204,7 +198,8 @@ class NumbaBackend(Backend):
             out = y.reshape(x.shape).astype(x.dtype, copy=False)
             if grad_output is None:
                 return Result(out)
-            dx, dw, db = self._backward(op, xr, w, _rows(grad_output, d, ct), mean, rstd)
+            dx, dw, db = self._backward(op, xr, w, _rows(grad_output, d, ct), mean, rstd,
+                                        _FMT.get(xr.dtype))
         shape = tuple(normalized_shape)
         gw = dw.reshape(shape).astype(x.dtype) if weight is not None else None
         gb = db.reshape(shape).astype(x.dtype) if bias is not None else None
@@ -241,7 +236,8 @@ class NumbaBackend(Backend):
         new_residual = s.reshape(x.shape).astype(x.dtype)
         if grad_outputs is None:
             return FusedAddNormResult(out, new_residual)
-        dx, dw, db = self._backward(norm, s, w, _rows(grad_outputs[0], d, ct), mean, rstd)
+        dx, dw, db = self._backward(norm, s, w, _rows(grad_outputs[0], d, ct), mean, rstd,
+                                    _FMT.get(s.dtype))
         g = (dx + _rows(grad_outputs[1], d, ct)).reshape(x.shape).astype(x.dtype)
         shape = tuple(normalized_shape)
         gw = dw.reshape(shape).astype(x.dtype) if weight is not None else None
@@ -259,33 +255,26 @@ class NumbaBackend(Backend):
         half = x.dtype in HALF
         ct = compute_dtype(x.dtype)
         xr = _bits(x, d) if half else _rows(x, d, ct)
-        rows, n_chunks = xr.shape[0], _chunks(xr.shape[0])
+        rows = xr.shape[0]
         w, b = _param(weight, d, ct, 1.0), _param(bias, d, ct, 0.0)
         fwd_out = (np.empty_like(xr), np.zeros(rows), np.empty(rows))
-        bwd_out = (np.empty_like(xr), np.empty((n_chunks, d)), np.empty((n_chunks, d)))
+        fmt = _FMT.get(x.dtype)
         if half:
-            bwd_out = _half_bwd_out(xr)
-            fmt = _FMT[x.dtype]
             params = _half_params(w, b, x.dtype)
 
             def forward():
                 return self._half_forward(op, xr, fmt, params, eps, fwd_out)
-
-            def backward_(mean, rstd):
-                self._half_backward(op, xr, fmt, w, g, mean, rstd, bwd_out)
         else:
             def forward():
                 return self._forward(op, xr, w, b, eps, fwd_out)
-
-            def backward_(mean, rstd):
-                self._backward(op, xr, w, g, mean, rstd, bwd_out)
         if not backward:
             return forward
         g = _bits(grad_output, d) if half else _rows(grad_output, d, ct)
+        bwd_out = _bwd_out(xr)
 
         def forward_backward():
             _, mean, rstd = forward()
-            backward_(mean, rstd)
+            self._backward(op, xr, w, g, mean, rstd, fmt, bwd_out)
         return forward_backward
 
     def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):

@@ -1,5 +1,6 @@
-"""The numba backend's two backward layouts: rows in chunks (norm_bwd, half_bwd) and,
-for fewer than COLUMN_ROWS rows, column tiles (norm_bwd_cols, half_bwd_cols). A row's dx
+"""The numba backend's two backward layouts: rows in chunks (norm_bwd for float64, bwd32
+for the others) and, for fewer than COLUMN_ROWS rows, column tiles (norm_bwd_cols,
+bwd32_cols). A row's dx
 must have the same bits in both, so that a sample's gradient does not depend on the size
 of its batch; dgamma/dbeta are sums over the batch and only agree to rounding."""
 
@@ -30,7 +31,7 @@ def _run(backend, op, x, w, b, g):
 def _counting(backend, monkeypatch):
     """The backend with its backward kernels counted by name."""
     calls: dict[str, int] = {}
-    for name in ("norm_bwd", "norm_bwd_cols", "half_bwd", "half_bwd_cols"):
+    for name in ("norm_bwd", "norm_bwd_cols", "bwd32", "bwd32_cols"):
         kernel = backend.k[name]
 
         def counted(*args, _k=kernel, _n=name):
@@ -55,9 +56,9 @@ def test_dx_has_the_same_bits_in_both_layouts(backend, monkeypatch, op, dtype):
     calls = _counting(backend, monkeypatch)
     whole = _run(backend, op, x, w, b, g)
     few = [_run(backend, op, x[i:i + n], w, b, g[i:i + n]) for i, n in spans]
-    half = dtype in ("float16", "bfloat16")
-    rows_kernel, cols_kernel = ("half_bwd", "half_bwd_cols") if half else ("norm_bwd",
-                                                                         "norm_bwd_cols")
+    # float64 is computed in float64, the others in float32
+    rows_kernel, cols_kernel = ("norm_bwd", "norm_bwd_cols") if dtype == "float64" else (
+        "bwd32", "bwd32_cols")
     assert calls == {rows_kernel: 1, cols_kernel: len(spans)}, calls
     for (i, n), res in zip(spans, few, strict=True):
         got = np.asarray(res.grad_input).view(np.uint8)
