@@ -14,8 +14,9 @@ The copy is the same, made the same way, in every backend's process. Never a bar
 time: the machine is shared and noisy, so the bench guards its own numbers:
 
 * each backend is timed in a process of its own (the conformance runner's worker,
-  conformance/worker.py), one backend at a time, so no other backend's threads are
-  there to spin against it (two frameworks' OpenMP threads spinning on two cores once
+  conformance/worker.py), one process measuring at a time (they take turns, one
+  measurement each, see run_bench), so no other backend's threads are there to spin
+  against it (two frameworks' OpenMP threads spinning on two cores once
   made a 2 MB copy take 8 ms and a kernel "3818% of copy"); the OpenMP wait policy is
   left as users run it (the conformance runs' passive waiting is not set here: a
   woken thread costs tens of microseconds a call, which would weigh on small shapes);
@@ -288,10 +289,25 @@ def _key(r: dict) -> tuple:
     return (r["series"], r["op"], r["dtype"], tuple(r["shape"]), r["pass"])
 
 
+def _groups(items: list[dict]) -> list[list[dict]]:
+    """The plan in groups of one measurement each (its variants together), in order."""
+    groups: dict[tuple, list[dict]] = {}
+    for item in items:
+        key = (item["series"], item["op"], item["dtype"], tuple(item["shape"]), item["pass_"])
+        groups.setdefault(key, []).append(item)
+    return list(groups.values())
+
+
 def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=print,
               timeout: float = 3600.0, items: list[dict] | None = None) -> dict:
-    """Each backend in its own process, one after the other, over the same plan
-    (`items`, default `plan(quick, curve)`)."""
+    """Each backend in its own process, over the same plan (`items`, default
+    `plan(quick, curve)`). The processes take turns, one measurement (both variants) at a
+    time, the first to go alternating, so each backend's figures for a measurement are
+    taken seconds apart from the others': timed one whole backend after the other, the
+    two processes often sat in different states of the machine (copies of the same bytes
+    at 36 against 57 GB/s), and no ratio between them could be given. A process waits,
+    idle, while another measures. One that stops (dies, times out) has the rest of its
+    measurements recorded as not measured, with the reason."""
     from normspec.impls import registry
 
     from .worker import Worker
@@ -301,23 +317,37 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
     label = doc["runs"][0]["run"]
     items = items if items is not None else plan(quick, curve)
     rows: list[dict] = []
-    for name in backends or registry.default_backends():
-        worker = Worker(name, label, env=CHILD_ENV)
-        worker.start()
-        try:
-            if not worker.wait_loaded(120.0):
-                progress(f"{name}: unavailable: {worker.error}")
-                continue
+    workers: list[tuple[str, Worker]] = []
 
-            def keep(rec: dict) -> None:
-                rows.append(rec)
-                progress(_line(rec))
-            before = len(rows)
-            out = worker.run_job(("bench", items, repeat), timeout=timeout, on_record=keep)
-            if out.how != "done":
-                progress(f"{name}: the bench stopped after {len(rows) - before} of "
-                         f"{len(items)} measurements ({out.how} {out.detail})")
-        finally:
+    def keep(rec: dict) -> None:
+        rows.append(rec)
+        progress(_line(rec))
+    try:
+        for name in backends or registry.default_backends():
+            worker = Worker(name, label, env=CHILD_ENV)
+            worker.start()
+            if worker.wait_loaded(120.0):
+                workers.append((worker.entry.get("name", name), worker))
+            else:
+                progress(f"{name}: unavailable: {worker.error}")
+                worker.stop()
+        stopped: dict[str, str] = {}
+        for i, group in enumerate(_groups(items)):
+            for name, worker in (workers if i % 2 == 0 else workers[::-1]):
+                if name in stopped:
+                    for item in group:
+                        rows.append(dict(_record(name, item), pid=None, error=stopped[name]))
+                    continue
+                got = len(rows)
+                out = worker.run_job(("bench", group, repeat), timeout=timeout, on_record=keep)
+                if out.how != "done":
+                    why = "timed out" if out.how == "timeout" else out.detail
+                    stopped[name] = f"not measured: {name}'s bench process stopped ({why})"
+                    progress(f"{name}: {stopped[name]}")
+                    for item in group[len(rows) - got:]:
+                        rows.append(dict(_record(name, item), pid=None, error=stopped[name]))
+    finally:
+        for _, worker in workers:
             worker.stop()
     compare_to_torch(rows)
     for r in rows:

@@ -74,6 +74,32 @@ def test_no_ratio_to_torch_across_copies_that_disagree():
     assert near["vs_torch_note"] == ""
 
 
+def test_backends_take_turns_and_one_that_dies_loses_no_row():
+    items = [dict(series="table", op=op, dtype=dt, shape=[16, 64], pass_="forward",
+                  variant=v)
+             for op, dt in (("rms_norm", "float32"), ("layer_norm", "float32"),
+                            ("rms_norm", "float16"))
+             for v in ("prepared", "protocol")]
+    said: list[str] = []
+    doc = bench.run_bench(["numpy", "nonfinite_backends:Segfaults"], items=items, repeat=2,
+                          progress=said.append)
+    rows = doc["benchmarks"]
+    assert [(r["backend"], r["op"], r["dtype"]) for r in rows[::2]] == [
+        ("numpy", "rms_norm", "float32"), ("Segfaults", "rms_norm", "float32"),
+        # the second measurement: the other process goes first (and dies in LayerNorm)
+        ("Segfaults", "layer_norm", "float32"), ("numpy", "layer_norm", "float32"),
+        ("numpy", "rms_norm", "float16"), ("Segfaults", "rms_norm", "float16")]
+    assert len(rows) == 2 * len(items)
+    dead = [r for r in rows if r["backend"] == "Segfaults" and r["error"].startswith("not measured")]
+    assert [(r["op"], r["dtype"], r["variant"]) for r in dead] == [
+        ("layer_norm", "float32", "protocol"), ("rms_norm", "float16", "prepared"),
+        ("rms_norm", "float16", "protocol")]
+    assert "Segfaults's bench process stopped" in dead[0]["error"]
+    assert any("Segfaults's bench process stopped" in line for line in said)
+    assert all(r["gbps"] for r in rows if r["backend"] == "numpy" and r["variant"] == "protocol")
+    results.validate(copy.deepcopy(results.encode(doc)))
+
+
 def test_each_backend_is_timed_in_its_own_process():
     item = dict(series="table", op="rms_norm", dtype="float32", shape=[16, 64],
                 pass_="forward", variant="protocol")
