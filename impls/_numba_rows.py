@@ -1,9 +1,12 @@
 """The row kernels of LayerNorm and RMSNorm: statistics from one read of each row
-(shifted-data sums in float64, which a large mean cannot cancel), the forward that
-gathers the next row's statistics while it writes this one, the backward with partial
-dgamma/dbeta sums per chunk of rows, and the half-precision forward that decodes and
-encodes the 16-bit values itself (its statistics in float32 blocks where that is exact
-enough, see _half_stats), and its backward."""
+(shifted-data sums in float64, which a large mean cannot cancel), then the row
+normalized from cache; the half-precision forward that decodes and encodes the 16-bit
+values itself (its statistics in float32 blocks where that is exact enough, see
+_half_stats); and the backward in two layouts (rows in chunks with partial dgamma/dbeta
+sums, or column tiles for few rows), computed in float64 for float64 rows and in
+float32 for the others. A row's bits never depend on its batch or on where its arrays
+lie: every reduction that decides them either runs in a loop of its own (no stores, so
+no run-time alias test picks between two codings of it) or is compiled strict."""
 
 import math
 
@@ -48,60 +51,41 @@ def sum_squares(xr, d):
 
 @jit
 def ln_fwd(x, w, b, eps, y, mean_out, rstd_out, n_chunks):
-    """Rows in contiguous chunks, one per thread; while row r is normalized from cache
-    the statistics of row r + 1 are gathered in the same loop, so the read stream of
-    the next row overlaps the write stream of this one."""
+    """Rows in contiguous chunks, one per thread, one row at a time: its statistics from
+    one read (a loop of sums alone), then the row normalized from cache. The sums are
+    not fused into the previous row's writes, as they were: LLVM guards a loop that both
+    stores and reduces with a run-time test of how far apart the arrays lie, and runs a
+    scalar copy of it when they are close (small arrays often are), whose reassociated
+    sums round differently. A row's bits then depended on where NumPy had put the output
+    (found by a review: float64 rows of ~4-40 elements, alone and in a batch, and
+    between two calls on the same array)."""
     rows, d = x.shape
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
-        r0, r1 = c * per, min(rows, (c + 1) * per)
-        if r0 >= r1:
-            continue
-        k, s1, s2 = shifted_sums(x[r0], d)
-        for r in range(r0, r1):
+        for r in range(c * per, min(rows, (c + 1) * per)):
+            xr, yr = x[r], y[r]
+            k, s1, s2 = shifted_sums(xr, d)
             mu, rstd = moments(k, s1, s2, d, eps)
             mean_out[r], rstd_out[r] = mu, rstd
             m_t, s_t = x.dtype.type(mu), x.dtype.type(rstd)
-            xr, yr = x[r], y[r]
-            if r + 1 < r1:
-                xn = x[r + 1]
-                k = np.float64(xn[0])
-                s1 = 0.0
-                s2 = 0.0
-                for j in range(d):
-                    yr[j] = (xr[j] - m_t) * s_t * w[j] + b[j]
-                    v = np.float64(xn[j]) - k
-                    s1 += v
-                    s2 += v * v
-            else:
-                for j in range(d):
-                    yr[j] = (xr[j] - m_t) * s_t * w[j] + b[j]
+            for j in range(d):
+                yr[j] = (xr[j] - m_t) * s_t * w[j] + b[j]
+
 
 @jit
 def rms_fwd(x, w, eps, y, rstd_out, n_chunks):
-    """As ln_fwd: the sum of squares of row r + 1 is taken while row r is written."""
+    """As ln_fwd: the sum of squares of a row in a loop of its own, then the row."""
     rows, d = x.shape
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
-        r0, r1 = c * per, min(rows, (c + 1) * per)
-        if r0 >= r1:
-            continue
-        sq = sum_squares(x[r0], d)
-        for r in range(r0, r1):
-            rstd = 1.0 / math.sqrt(sq / d + eps)
+        for r in range(c * per, min(rows, (c + 1) * per)):
+            xr, yr = x[r], y[r]
+            rstd = 1.0 / math.sqrt(sum_squares(xr, d) / d + eps)
             rstd_out[r] = rstd
             s_t = x.dtype.type(rstd)
-            xr, yr = x[r], y[r]
-            if r + 1 < r1:
-                xn = x[r + 1]
-                sq = 0.0
-                for j in range(d):
-                    yr[j] = xr[j] * s_t * w[j]
-                    v = np.float64(xn[j])
-                    sq += v * v
-            else:
-                for j in range(d):
-                    yr[j] = xr[j] * s_t * w[j]
+            for j in range(d):
+                yr[j] = xr[j] * s_t * w[j]
+
 
 #: Fewer rows than this go through the column-tiled backward (norm_bwd_cols): the
 #: partial dgamma/dbeta rows of norm_bwd ([chunks, d] float64, zeroed, updated at every
@@ -258,7 +242,7 @@ def encode_bf16(v):
 
 @inline
 def as_f32(v):
-    """The float32 'format' of the float32-compute backward (fmt F32): values as they are."""
+    """The 'decoding' of float32 rows (fmt 2) in the float32-compute backward."""
     return np.float32(v)
 
 
@@ -296,12 +280,13 @@ def _half_sums32(xr, d, k, dec):
     block's sums added in float64: float32 has no conversion to float64 per element,
     which made the sums cost as much as the rest of the forward. A float32 block sum
     rounds at most SUM_BLOCK / lanes + log2(lanes) times as LLVM vectorizes it (16 lanes
-    here: 36 roundings, 2^-18.8 relative), and at most SUM_BLOCK times (2^-15) were the
-    loop ever compiled scalar; the caller checks when either is not enough. Blocks of
-    512 rather than 128: the float32 sums of a row in L1 went from 11 to 16 G elements/s
-    (one core, the horizontal sum of each block's vector being the difference). (Rows are
-    sliced per block so that every index starts at 0: Numba then knows it is not
-    negative.)"""
+    here: 36 additions), and each term carries up to 3 more from before it is added
+    (t = x - k, t * t): 39 roundings, 2^-18.7 relative, vectorized; at most
+    SUM_BLOCK + 3 = 515 (2^-15.0) were the loop ever compiled scalar; the caller checks
+    when either is not enough. Blocks of 512 rather than 128: the float32 sums of a row
+    in L1 went from 11 to 16 G elements/s on one core (the horizontal sum of each
+    block's vector is the difference). (Rows are sliced per block so that every index
+    starts at 0: Numba then knows it is not negative.)"""
     s1 = 0.0
     s2 = 0.0
     for j0 in range(0, d, SUM_BLOCK):
@@ -332,10 +317,10 @@ def _half_stats(xr, d, eps, centre, dec):
     float32 blocks, the shift k the mean of the row's first SHIFT_SAMPLES elements
     (taken in float64, so it cannot overflow, then rounded to float32). Their error,
     relative to the variance, is at most 3 block roundings (see _half_sums32) times
-    (1 + c^2), c = |mean - k| / std: with c^2 <= MAX_SHIFT_RATIO, below 2^-15.2
-    vectorized as here (rstd off by 2^-16.2, a 36th of float16's unit roundoff) and
-    below 2^-11.4 even scalar (2^-12.4, under half of it, which the output bound of the
-    conformance checks covers). The mean of 16 elements is within a quarter of a
+    (1 + c^2), c = |mean - k| / std: with c^2 <= MAX_SHIFT_RATIO, below 12 * 2^-18.7 =
+    2^-15.1 vectorized as here (rstd off by 2^-16.1, a 34th of float16's unit roundoff)
+    and below 12 * 2^-15.0 = 2^-11.4 even scalar (rstd 2^-12.4, under half of it, which
+    the output bound of the conformance checks covers). The mean of 16 elements is within a quarter of a
     standard deviation of the row's for most rows (c^2 ~ 1/16); with k = x[0], as before,
     one Gaussian row in 12 would have missed c^2 <= 3. A row outside that (outliers
     among its first elements), or whose float32 squares may have overflowed (bfloat16
@@ -414,7 +399,8 @@ FLUSH_ROWS = 32
 
 @strict_inline
 def _half_dx_span(xr, gr, wr, m32, s32, mh, mhx, dxr, dwr, dbr, dec, enc):
-    """dx_span on 16-bit rows, in float32; dwr/dbr are float32 or float64 sums."""
+    """dx_span in float32, on 16-bit rows (dec/enc their codec) or float32 ones
+    (as_f32); dwr/dbr are float32 or float64 sums."""
     for j in range(xr.shape[0]):
         gv = dec(gr[j])
         xh = (dec(xr[j]) - m32) * s32
@@ -482,22 +468,26 @@ def _row_means32(xr, w, gr, mean, rstd, d, centre, fmt):
 
 
 @inline
-def _bwd32_rows(x16, w, g16, mean, rstd, dx16, dwc, dbc, dw32, db32, r0, r1, centre,
-                   fmt):
-    """Rows r0..r1 of the half backward: the first pass decodes x and g and sums; the
-    second decodes them again from cache (no scratch rows), writes dx, encoded once, and
-    adds the dgamma/dbeta terms. Elementwise arithmetic in float32 (its rounding is 2^13
-    times below a float16 ulp); the row sums in float64; dgamma/dbeta summed in float32
-    over at most FLUSH_ROWS rows (`dw32`, `db32`), then added to the chunk's float64
-    sums."""
-    d = x16.shape[1]
+def _bwd32_rows(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, fmt):
+    """Rows r0..r1 of the float32-compute backward: the first pass (grad_sums) reads x
+    and g and sums; the second reads them again from cache, writes dx (encoded once for
+    16-bit rows) and adds the dgamma/dbeta terms. For 16-bit rows those are summed in
+    float32 over at most FLUSH_ROWS rows (`dw32`, `db32`: 32 roundings of 2^-24 are
+    2^-19, far below a 16-bit ulp), then added to the chunk's float64 sums; float32
+    rows, whose own ulp that would not be below, add theirs to the float64 sums at
+    once."""
+    d = x.shape[1]
+    if fmt == 2:
+        for r in range(r0, r1):
+            m32, s32, mh, mhx = _row_means32(x[r], w, g[r], mean[r], rstd[r], d, centre, fmt)
+            _dx_span32_of(fmt, x[r], g[r], w, m32, s32, mh, mhx, dx[r], dwc, dbc)
+        return
     for j in range(d):
         dw32[j] = 0.0
         db32[j] = 0.0
     for r in range(r0, r1):
-        xr, gr, dxr = x16[r], g16[r], dx16[r]
-        m32, s32, mh, mhx = _row_means32(xr, w, gr, mean[r], rstd[r], d, centre, fmt)
-        _dx_span32_of(fmt, xr, gr, w, m32, s32, mh, mhx, dxr, dw32, db32)
+        m32, s32, mh, mhx = _row_means32(x[r], w, g[r], mean[r], rstd[r], d, centre, fmt)
+        _dx_span32_of(fmt, x[r], g[r], w, m32, s32, mh, mhx, dx[r], dw32, db32)
         if (r - r0) % FLUSH_ROWS == FLUSH_ROWS - 1 or r == r1 - 1:
             for j in range(d):
                 dwc[j] += np.float64(dw32[j])
@@ -507,37 +497,36 @@ def _bwd32_rows(x16, w, g16, mean, rstd, dx16, dwc, dbc, dw32, db32, r0, r1, cen
 
 
 @jit
-def bwd32_cols(x16, w, g16, mean, rstd, dx16, dw, db, fmt, centre):
-    """norm_bwd_cols on float16 (fmt 0) / bfloat16 (fmt 1) bits or float32 (fmt 2):
-    _row_means32 of every row, then dx and the dgamma/dbeta sums (float64) tile by
-    tile."""
-    rows, d = x16.shape
+def bwd32_cols(x, w, g, mean, rstd, dx, dw, db, fmt, centre):
+    """norm_bwd_cols computed in float32, on float16 (fmt 0) / bfloat16 (fmt 1) bits or
+    float32 rows (fmt 2): _row_means32 of every row, then dx and the dgamma/dbeta sums
+    (float64) tile by tile."""
+    rows, d = x.shape
     means = np.empty((rows, 4), np.float32)
     for r in prange(rows):
         means[r, 0], means[r, 1], means[r, 2], means[r, 3] = _row_means32(
-            x16[r], w, g16[r], mean[r], rstd[r], d, centre, fmt)
+            x[r], w, g[r], mean[r], rstd[r], d, centre, fmt)
     for t in prange((d + TILE - 1) // TILE):
         j0, j1 = t * TILE, min(d, (t + 1) * TILE)
         dwt, dbt, wt = dw[j0:j1], db[j0:j1], w[j0:j1]
         dwt[:] = 0.0
         dbt[:] = 0.0
         for r in range(rows):
-            _dx_span32_of(fmt, x16[r, j0:j1], g16[r, j0:j1], wt, means[r, 0], means[r, 1],
-                             means[r, 2], means[r, 3], dx16[r, j0:j1], dwt, dbt)
+            _dx_span32_of(fmt, x[r, j0:j1], g[r, j0:j1], wt, means[r, 0], means[r, 1],
+                          means[r, 2], means[r, 3], dx[r, j0:j1], dwt, dbt)
 
 
 @jit
-def bwd32(x16, w, g16, mean, rstd, dx16, dw_part, db_part, dw32, db32, n_chunks, fmt,
-             centre):
-    """norm_bwd on float16 (fmt 0) / bfloat16 (fmt 1) bits, x and g decoded and dx
-    encoded in the kernel, or on float32 (fmt 2), all computed in float32 (w too), the
-    row sums in float64 (norm_bwd computes in float64: for float64 inputs); partial
-    dgamma/dbeta per chunk of rows in
-    float64 (the caller adds the chunks and rounds once); dw32/db32 are float32 scratch
-    rows, one per chunk, that the caller allocates with the outputs."""
-    rows, d = x16.shape
+def bwd32(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks, fmt, centre):
+    """norm_bwd computed in float32 (w too), on float16 (fmt 0) / bfloat16 (fmt 1) bits,
+    x and g decoded and dx encoded in the kernel, or on float32 rows (fmt 2); the row
+    sums in float64 (norm_bwd, all in float64, is for float64 rows). Partial dgamma/dbeta
+    per chunk of rows in float64 (the caller adds the chunks and rounds once); dw32/db32
+    are float32 scratch rows, one per chunk, that the caller allocates with the
+    outputs."""
+    rows, d = x.shape
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         r0, r1 = c * per, min(rows, (c + 1) * per)
-        _bwd32_rows(x16, w, g16, mean, rstd, dx16, dw_part[c], db_part[c], dw32[c], db32[c],
-                       r0, r1, centre, fmt)
+        _bwd32_rows(x, w, g, mean, rstd, dx, dw_part[c], db_part[c], dw32[c], db32[c], r0, r1,
+                    centre, fmt)

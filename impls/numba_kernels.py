@@ -1,12 +1,14 @@
 """`numba`: CPU kernels compiled by Numba, parallel over rows with `prange`.
 
 Each row is read once from memory: its statistics come from one read (shifted-data sums
-of x - x[0] and (x - x[0])^2, accumulated in float64, which a large mean cannot cancel),
-then the row is normalized from cache and written once; the forward gathers the next
-row's statistics in the loop that writes this one, so reading and writing overlap.
-float16 and bfloat16 are computed in float32, with every sum in float64, and rounded
-once: the kernels decode and encode the 16-bit values themselves (round to
-nearest even), so a half-precision call moves half the bytes of a float32 one. The
+of x - k and (x - k)^2 with k = x[0], accumulated in float64, which a large mean cannot
+cancel), then the row is normalized from cache and written once. float16 and bfloat16
+are computed in float32 and rounded once: the kernels decode and encode the 16-bit
+values themselves (round to nearest even), so a half-precision call moves half the bytes
+of a float32 one; their forward statistics are float32 block sums around the mean of
+the row's first 16 elements, added in float64, and summed again in float64 where that
+could lose accuracy (_numba_rows._half_stats). The backward of float32 rows is computed
+in float32 as well, its sums in float64; float64 rows in float64. The
 kernels live in _numba_rows.py, _numba_codec.py and _numba_bn.py, compiled as
 _numba_jit.py says (fast-math that keeps NaN and inf, cached on disk).
 """
@@ -159,7 +161,7 @@ class NumbaBackend(Backend):
         n_chunks = _chunks(xr.shape[0])
         dx, dw_part, db_part, dw32, db32 = out if out is not None else _bwd_out(xr)
         centre = op == "layer_norm"
-        # gamma stays in its dtype: the kernels widen each element (exactly) as they read it
+        # gamma as given (float64 for float64 rows, float32 otherwise): no per-call copy
         if _few_rows(xr):
             if fmt is None:
                 self.k["norm_bwd_cols"](xr, w, g, mean, rstd, dx, dw_part[0], db_part[0],

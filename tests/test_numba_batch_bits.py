@@ -43,6 +43,24 @@ def _counting(backend, monkeypatch):
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_bits_alone_and_anywhere_in_a_batch(backend, op, dtype):
+    rng = np.random.default_rng(11)
+    npdt = dtype_of(dtype)
+    for d in [*range(1, 41), 64, 100, 1000]:
+        w = (1 + rng.standard_normal(d) / 4).astype(npdt)
+        b = rng.standard_normal(d).astype(npdt)
+        for batch in (2, 3, 5, 9):
+            x = (rng.standard_normal((batch, d)) * 3 + 1).astype(npdt)
+            whole = np.asarray(_run(backend, op, x, w, b, None).output)
+            for i in range(batch):
+                alone = np.asarray(_run(backend, op, x[i:i + 1], w, b, None).output)
+                assert np.array_equal(alone.view(np.uint8), whole[i:i + 1].view(np.uint8)), (
+                    f"row {i} of {batch} ({dtype} {op}, d = {d}): alone {alone[0][:4]}..., "
+                    f"in the batch {whole[i][:4]}...")
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_dx_has_the_same_bits_in_both_layouts(backend, monkeypatch, op, dtype):
     npdt = dtype_of(dtype)
     rng = np.random.default_rng(7)
