@@ -250,12 +250,15 @@ def measure_one(backend, name: str, item: dict, repeat: int = 10,
     return rec
 
 
+#: The child's arrays, kept from one turn to the next (run_bench sends a turn at a time).
+_INPUTS = _Inputs()
+
+
 def measure(loaded, items: list[dict], *, repeat: int, emit) -> int:
-    """The child's side: every item of the plan on one loaded backend, each record sent
+    """The child's side: every item of a turn on one loaded backend, each record sent
     through `emit` as soon as it is measured."""
-    inputs = _Inputs()
     for item in items:
-        emit(measure_one(loaded.backend, loaded.name, item, repeat, inputs))
+        emit(measure_one(loaded.backend, loaded.name, item, repeat, _INPUTS))
     return len(items)
 
 
@@ -298,6 +301,11 @@ def _groups(items: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
+#: Seconds between one process's turn and the next's: threads of the last that still
+#: spin (OpenMP's wait before it sleeps) have stopped before the next one's copy is timed.
+TURN_PAUSE_S = 0.05
+
+
 def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=print,
               timeout: float = 3600.0, items: list[dict] | None = None) -> dict:
     """Each backend in its own process, over the same plan (`items`, default
@@ -306,8 +314,9 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
     taken seconds apart from the others': timed one whole backend after the other, the
     two processes often sat in different states of the machine (copies of the same bytes
     at 36 against 57 GB/s), and no ratio between them could be given. A process waits,
-    idle, while another measures. One that stops (dies, times out) has the rest of its
-    measurements recorded as not measured, with the reason."""
+    idle, while another measures. `timeout` is per turn. One that stops (dies, times
+    out) has the rest of its measurements recorded as not measured, with the reason, and
+    so has a backend that could not be loaded."""
     from normspec.impls import registry
 
     from .worker import Worker
@@ -318,6 +327,7 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
     items = items if items is not None else plan(quick, curve)
     rows: list[dict] = []
     workers: list[tuple[str, Worker]] = []
+    unavailable: dict[str, str] = {}
 
     def keep(rec: dict) -> None:
         rows.append(rec)
@@ -329,23 +339,29 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
             if worker.wait_loaded(120.0):
                 workers.append((worker.entry.get("name", name), worker))
             else:
-                progress(f"{name}: unavailable: {worker.error}")
+                unavailable[name] = f"not measured: unavailable: {worker.error}"
+                progress(f"{name}: {unavailable[name]}")
                 worker.stop()
-        stopped: dict[str, str] = {}
+        stopped: dict[int, str] = {}
         for i, group in enumerate(_groups(items)):
-            for name, worker in (workers if i % 2 == 0 else workers[::-1]):
-                if name in stopped:
+            turns = list(enumerate(workers))
+            for w, (name, worker) in (turns if i % 2 == 0 else turns[::-1]):
+                if w in stopped:
                     for item in group:
-                        rows.append(dict(_record(name, item), pid=None, error=stopped[name]))
+                        rows.append(dict(_record(name, item), pid=None, error=stopped[w]))
                     continue
+                time.sleep(TURN_PAUSE_S)
                 got = len(rows)
                 out = worker.run_job(("bench", group, repeat), timeout=timeout, on_record=keep)
                 if out.how != "done":
-                    why = "timed out" if out.how == "timeout" else out.detail
-                    stopped[name] = f"not measured: {name}'s bench process stopped ({why})"
-                    progress(f"{name}: {stopped[name]}")
+                    why = (f"timed out after {timeout:g} s" if out.how == "timeout"
+                           else out.detail)
+                    stopped[w] = f"not measured: {name}'s bench process stopped ({why})"
+                    progress(f"{name}: {stopped[w]}")
                     for item in group[len(rows) - got:]:
-                        rows.append(dict(_record(name, item), pid=None, error=stopped[name]))
+                        rows.append(dict(_record(name, item), pid=None, error=stopped[w]))
+            for name, why in unavailable.items():
+                rows.extend(dict(_record(name, item), pid=None, error=why) for item in group)
     finally:
         for _, worker in workers:
             worker.stop()

@@ -69,6 +69,8 @@ def test_no_ratio_to_torch_across_copies_that_disagree():
     assert "16.0 GB/s in this process and 8.0 GB/s in torch's" in fast["vs_torch_note"]
     assert "1.000 ms against torch's 4.000 ms" in fast["vs_torch_note"]
     assert "no x torch" in bench.summary([torch, fast])
+    doc = results.new_document() | {"benchmarks": [dict(r, run="b") for r in (torch, fast)]}
+    assert "16.0 GB/s in this process and 8.0 GB/s in torch" in html.render([doc])
     # 10% apart: compared, against each one's own copy
     assert near["vs_torch"] == pytest.approx(1.1 * 2)
     assert near["vs_torch_note"] == ""
@@ -97,6 +99,18 @@ def test_backends_take_turns_and_one_that_dies_loses_no_row():
     assert "Segfaults's bench process stopped" in dead[0]["error"]
     assert any("Segfaults's bench process stopped" in line for line in said)
     assert all(r["gbps"] for r in rows if r["backend"] == "numpy" and r["variant"] == "protocol")
+    results.validate(copy.deepcopy(results.encode(doc)))
+
+
+def test_a_backend_that_cannot_load_has_a_row_for_each_measurement():
+    item = dict(series="table", op="rms_norm", dtype="float32", shape=[16, 64],
+                pass_="forward", variant="protocol")
+    doc = bench.run_bench(["numpy", "no_such_module_here:make_backend"], items=[item],
+                          repeat=2, progress=lambda _: None)
+    rows = doc["benchmarks"]
+    assert [r["backend"] for r in rows] == ["numpy", "no_such_module_here:make_backend"]
+    assert rows[1]["error"].startswith("not measured: unavailable: ")
+    assert "no_such_module_here" in rows[1]["error"]
     results.validate(copy.deepcopy(results.encode(doc)))
 
 
