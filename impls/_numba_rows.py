@@ -68,6 +68,10 @@ def ln_fwd(x, w, b, eps, y, mean_out, rstd_out, n_chunks):
             mu, rstd = moments(k, s1, s2, d, eps)
             mean_out[r], rstd_out[r] = mu, rstd
             m_t, s_t = x.dtype.type(mu), x.dtype.type(rstd)
+            if not rstd >= EXTREME_RSTD:  # see EXTREME_RSTD: float64 for this row
+                for j in range(d):
+                    yr[j] = (np.float64(xr[j]) - mu) * rstd * w[j] + b[j]
+                continue
             for j in range(d):
                 yr[j] = (xr[j] - m_t) * s_t * w[j] + b[j]
 
@@ -83,6 +87,10 @@ def rms_fwd(x, w, eps, y, rstd_out, n_chunks):
             rstd = 1.0 / math.sqrt(sum_squares(xr, d) / d + eps)
             rstd_out[r] = rstd
             s_t = x.dtype.type(rstd)
+            if not rstd >= EXTREME_RSTD:  # see EXTREME_RSTD: float64 for this row
+                for j in range(d):
+                    yr[j] = np.float64(xr[j]) * rstd * w[j]
+                continue
             for j in range(d):
                 yr[j] = xr[j] * s_t * w[j]
 
@@ -264,6 +272,11 @@ def _half_moments(k, s1, s2, d, eps, centre):
     return 0.0, 1.0 / math.sqrt(s2 / d + eps)
 
 
+#: Rows with 1/std below this are normalized in float64: their x - mean can overflow
+#: float32 (bfloat16 reaches 3.4e38) and their 1/std is subnormal there (found by a
+#: review: a bfloat16 row of +-3.39e38 gave -inf where the spec gives -1.73). Only
+#: spreads beyond 2^100 take that path, which no realistic row has.
+EXTREME_RSTD = 2.0 ** -100
 #: Elements summed in float32 before the block's sums are added in float64.
 SUM_BLOCK = 512
 #: Largest (mean - shift)^2 / variance the float32 block sums are trusted with.
@@ -357,14 +370,19 @@ def _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, centre, dec,
     and written. gamma and beta are read as 16-bit patterns when they are exactly
     representable (`param_at`): two float32 vectors of 4096 fill L1 by themselves, and
     with them there every row's re-read came from L2 instead, which halved the speed of
-    a streaming row loop. RMSNorm does not read beta at all."""
+    a streaming row loop. RMSNorm does not read beta at all. A row whose spread is
+    beyond float32 (see EXTREME_RSTD) is normalized in float64."""
     d = x16.shape[1]
     for r in range(r0, r1):
         xr, yr = x16[r], y16[r]
         mu, rstd = _half_stats(xr, d, eps, centre, dec)
         mean_out[r], rstd_out[r] = mu, rstd
         m32, s32 = np.float32(mu), np.float32(rstd)
-        if centre:
+        if not rstd >= EXTREME_RSTD:
+            for j in range(d):
+                v = (np.float64(dec(xr[j])) - mu) * rstd * param_at(w, j, dec)
+                yr[j] = enc(np.float32(v + param_at(b, j, dec) if centre else v))
+        elif centre:
             for j in range(d):
                 yr[j] = enc((dec(xr[j]) - m32) * s32 * param_at(w, j, dec)
                             + param_at(b, j, dec))
