@@ -71,10 +71,14 @@ def _install_locators() -> bool:
 LOCATORS_INSTALLED = _install_locators()
 jit = njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 inline = njit(fastmath=FASTMATH, inline="always", cache=True)
-#: Functions whose arithmetic must happen in the order written, wherever they are
-#: called: no fast-math flag at all, and not inlined into a fast-math caller (Numba's
-#: inlining would give them the caller's flags); LLVM may still inline the compiled
-#: function, with its instructions' strict flags kept.
+#: Kernels whose arithmetic must happen in the order written, whatever LLVM makes of
+#: the loops (vectorized, scalar, versioned on how far apart the arrays lie): no
+#: fast-math flag at all. It has to be the parallel kernel's own: a function it calls
+#: is compiled with the kernel's flags when the kernel is what first compiles it (seen
+#: here: a strict-declared span function, compiled first from inside a fast-math
+#: prange, cached a contracted, reassociated version of itself).
+jit_strict = njit(parallel=True, cache=True, nogil=True)
+#: Functions called from jit_strict kernels (compiled without fast-math flags there).
 strict = njit(cache=True, nogil=True)
 strict_inline = njit(inline="always", cache=True)
 

@@ -33,7 +33,7 @@ from .protocol import (
 )
 
 HALF = tuple(np_dtype(name) for name in HALF_DTYPES)
-_FMT = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.float32): 2}
+_FMT = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1}
 
 try:
     import numba
@@ -47,15 +47,14 @@ else:
 def _kernels():
     """The compiled kernels, imported on first use: importing this module never pays for
     compilation, and Numba's on-disk cache means only the first process ever does."""
+    from . import _numba_backward as backward
     from . import _numba_bn as bn
     from . import _numba_fused as fused
     from . import _numba_rows as rows
     from ._numba_jit import COMPILING
 
-    kernels = dict(ln_fwd=rows.ln_fwd, rms_fwd=rows.rms_fwd, norm_bwd=rows.norm_bwd,
-                   norm_bwd_cols=rows.norm_bwd_cols, half_fwd=rows.half_fwd,
-                   bwd32=rows.bwd32, bwd32_cols=rows.bwd32_cols,
-                   bn_stats=bn.bn_stats,
+    kernels = dict(ln_fwd=rows.ln_fwd, rms_fwd=rows.rms_fwd, half_fwd=rows.half_fwd,
+                   bwd=backward.bwd, bwd_cols=backward.bwd_cols, bn_stats=bn.bn_stats,
                    bn_apply=bn.bn_apply, bn_bwd=bn.bn_bwd, add_norm_fwd=fused.add_norm_fwd,
                    half_add_norm_fwd=fused.half_add_norm_fwd)
     return {name: COMPILING.time(k) for name, k in kernels.items()}
@@ -97,7 +96,7 @@ def _half_params(w, b, dtype):
 
 def _few_rows(x):
     """Whether the backward of rows `x` takes the column-tiled kernels."""
-    from ._numba_rows import COLUMN_ROWS
+    from ._numba_backward import COLUMN_ROWS
 
     return x.shape[0] < COLUMN_ROWS
 
@@ -154,29 +153,23 @@ class NumbaBackend(Backend):
         return y16, mean, rstd
 
     def _backward(self, op, xr, w, g, mean, rstd, fmt, out=None):
-        """dx, dgamma, dbeta of rows `xr` (float64 rows: fmt None, computed in float64;
-        else fmt of _FMT, computed in float32, 16-bit rows as their patterns); `out` as
-        _bwd_out makes it. Few rows take the column-tiled kernels, which write the final
-        dgamma/dbeta into the first of the partial rows (see _numba_rows.COLUMN_ROWS)."""
+        """dx, dgamma, dbeta of rows `xr` (16-bit rows as their patterns, fmt 0 float16,
+        1 bfloat16; fmt None otherwise), computed as _numba_backward says; `out` as
+        _bwd_out makes it. Few rows take bwd_cols, which writes the final dgamma/dbeta
+        into the first of the partial rows (see _numba_backward.COLUMN_ROWS)."""
         n_chunks = _chunks(xr.shape[0])
         dx, dw_part, db_part, dw32, db32 = out if out is not None else _bwd_out(xr)
-        centre = op == "layer_norm"
-        # gamma as given (float64 for float64 rows, float32 otherwise): no per-call copy
+        centre, fmt = op == "layer_norm", -1 if fmt is None else fmt
         if _few_rows(xr):
-            if fmt is None:
-                self.k["norm_bwd_cols"](xr, w, g, mean, rstd, dx, dw_part[0], db_part[0],
-                                        centre)
-            else:
-                self.k["bwd32_cols"](xr, w, g, mean, rstd, dx, dw_part[0], db_part[0], fmt,
-                                        centre)
+            means = np.empty((xr.shape[0], 4), np.float64 if xr.dtype == np.float64
+                             else np.float32)
+            self.k["bwd_cols"](xr, w, g, mean, rstd, dx, dw_part[0], db_part[0], means, fmt,
+                               centre)
             return dx, dw_part[0], db_part[0]
         dw_part[...] = 0.0
         db_part[...] = 0.0
-        if fmt is None:
-            self.k["norm_bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, n_chunks, centre)
-        else:
-            self.k["bwd32"](xr, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32,
-                               n_chunks, fmt, centre)
+        self.k["bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks, fmt,
+                      centre)
         return dx, dw_part.sum(axis=0), db_part.sum(axis=0)
 
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):

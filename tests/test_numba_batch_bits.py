@@ -13,7 +13,7 @@ pytest.importorskip("numba")
 
 from normspec.conformance.cases import dtype_of  # noqa: E402
 from normspec.impls import numba_kernels  # noqa: E402
-from normspec.impls._numba_rows import COLUMN_ROWS, TILE  # noqa: E402
+from normspec.impls._numba_backward import COLUMN_ROWS, TILE  # noqa: E402
 from normspec.impls.protocol import DTYPES  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def _run(backend, op, x, w, b, g):
 def _counting(backend, monkeypatch):
     """The backend with its backward kernels counted by name."""
     calls: dict[str, int] = {}
-    for name in ("norm_bwd", "norm_bwd_cols", "bwd32", "bwd32_cols"):
+    for name in ("bwd", "bwd_cols"):
         kernel = backend.k[name]
 
         def counted(*args, _k=kernel, _n=name):
@@ -74,10 +74,7 @@ def test_dx_has_the_same_bits_in_both_layouts(backend, monkeypatch, op, dtype):
     calls = _counting(backend, monkeypatch)
     whole = _run(backend, op, x, w, b, g)
     few = [_run(backend, op, x[i:i + n], w, b, g[i:i + n]) for i, n in spans]
-    # float64 is computed in float64, the others in float32
-    rows_kernel, cols_kernel = ("norm_bwd", "norm_bwd_cols") if dtype == "float64" else (
-        "bwd32", "bwd32_cols")
-    assert calls == {rows_kernel: 1, cols_kernel: len(spans)}, calls
+    assert calls == {"bwd": 1, "bwd_cols": len(spans)}, calls
     for (i, n), res in zip(spans, few, strict=True):
         got = np.asarray(res.grad_input).view(np.uint8)
         expected = np.asarray(whole.grad_input)[i:i + n].view(np.uint8)

@@ -1,0 +1,267 @@
+"""The backward of LayerNorm and RMSNorm on rows:
+
+    dx = r (h - mean(h) - x_hat mean(h x_hat)),  h = g gamma,
+
+without the mean(h) term and with x_hat = x r for RMSNorm; dgamma = sum g x_hat and
+dbeta = sum g over the rows. Computed in float64 for float64 rows and in float32 for
+float32, float16 and bfloat16 rows (16-bit rows decoded and dx encoded in the kernel),
+the row sums in float64 always.
+
+Two layouts: rows in contiguous chunks, one per thread, each chunk keeping partial
+dgamma/dbeta sums (`bwd`); and, for fewer than COLUMN_ROWS rows, the row sums of every
+row first, then dx and dgamma/dbeta tile by tile of columns (`bwd_cols`), which writes
+the final sums once. A row's dx has the same bits in both, whatever the batch: both
+kernels and all they call are compiled strict (no fast-math flag, so LLVM may not
+reassociate a sum or contract a product into an FMA, either of which it had done in one
+layout's loop and not in the other's, and no two codings of a loop can differ). None of
+it needs fast-math to vectorize: the row sums are LANES partial sums added in a fixed
+order, the rest is elementwise. The per-format functions below are the same code
+compiled once per element format (a function passed to a compiled, not inlined, function
+would make it uncacheable)."""
+
+import numpy as np
+from numba import prange, types
+from numba.extending import overload
+
+from ._numba_jit import jit_strict, strict, strict_inline
+from ._numba_rows import as_f32, decode_bf16, decode_f16, encode_bf16, encode_f16
+
+#: Fewer rows than this take bwd_cols: the partial dgamma/dbeta rows of bwd ([chunks, d]
+#: float64, zeroed, updated at every row and summed) would move more bytes than the few
+#: rows themselves ([2, 2^20]: about 150 MB for 12 MB of data, measured at a tenth of
+#: the forward's speed).
+COLUMN_ROWS = 64
+#: Columns per tile of bwd_cols: its dgamma/dbeta sums stay in L1.
+TILE = 512
+#: Partial sums of a row's sums, each over every LANES-th element of the row.
+LANES = 16
+#: Rows whose dgamma/dbeta terms 16-bit rows sum in float32 before they are added to the
+#: float64 partial sums: 32 roundings of 2^-24 are 2^-19, far below a 16-bit ulp. float32
+#: rows, whose own ulp that would not be below, add theirs to the float64 sums at once.
+FLUSH_ROWS = 32
+
+
+@strict_inline
+def to_f64(v):
+    return np.float64(v)
+
+
+@strict_inline
+def _fold(a):
+    """The lanes added pairwise, in a fixed order."""
+    n = a.shape[0] // 2
+    while n >= 1:
+        for k in range(n):
+            a[k] += a[k + n]
+        n //= 2
+    return a[0]
+
+
+@strict_inline
+def _terms(xr, wr, gr, m, s, j, cv):
+    h = cv(gr[j]) * wr[j]
+    return np.float64(h), np.float64(h * ((cv(xr[j]) - m) * s))
+
+
+@strict_inline
+def _row_sums(xr, wr, gr, m, s, lanes, cv):
+    """Sums over a row of h and h x_hat (elementwise in the precision `cv` converts to),
+    in float64, in LANES partial sums (`lanes`, the caller's scratch, two rows of
+    LANES) added in a fixed order: without reassociation that is the only order there
+    is, wherever this is compiled."""
+    d = xr.shape[0]
+    sh, shx = lanes[0], lanes[1]
+    if d < LANES:  # a short row: one term a lane, added in order (no lanes to zero, fold)
+        a = 0.0
+        b = 0.0
+        for j in range(d):
+            h, t = _terms(xr, wr, gr, m, s, j, cv)
+            a += h
+            b += t
+        return a, b
+    sh[:] = 0.0
+    shx[:] = 0.0
+    whole = d - d % LANES
+    for j0 in range(0, whole, LANES):
+        for k in range(LANES):
+            h, t = _terms(xr, wr, gr, m, s, j0 + k, cv)
+            sh[k] += h
+            shx[k] += t
+    for j in range(whole, d):
+        h, t = _terms(xr, wr, gr, m, s, j, cv)
+        sh[j - whole] += h
+        shx[j - whole] += t
+    return _fold(sh), _fold(shx)
+
+
+@strict_inline
+def _means(xr, wr, gr, mean, rstd, centre, lanes, cv, ct):
+    """mean and 1/std of a row in the compute dtype `ct`, and mean(h), mean(h x_hat)."""
+    d = xr.shape[0]
+    m, s = ct(mean), ct(rstd)
+    sh, shx = _row_sums(xr, wr, gr, m, s, lanes, cv)
+    return m, s, ct(sh / d) if centre else ct(0.0), ct(shx / d)
+
+
+@strict_inline
+def _span(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr, cv, enc):
+    """dx over a span of a row (the whole row, or a tile of it), and the span's dgamma
+    and dbeta terms added to dwr, dbr."""
+    for j in range(xr.shape[0]):
+        gv = cv(gr[j])
+        xh = (cv(xr[j]) - m) * s
+        dxr[j] = enc(s * (gv * wr[j] - mh - xh * mhx))
+        dwr[j] += gv * xh
+        dbr[j] += gv
+
+
+@strict_inline
+def _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, cv, enc, ct,
+           direct):
+    """Rows r0..r1: each row's sums from one pass, then dx and the dgamma/dbeta terms
+    from a second over the row in cache; the terms added to the chunk's float64 sums
+    dwc, dbc `direct`ly, or first in float32 over FLUSH_ROWS rows (dw32, db32)."""
+    lanes = np.empty((2, LANES))
+    if direct:
+        for r in range(r0, r1):
+            m, s, mh, mhx = _means(x[r], w, g[r], mean[r], rstd[r], centre, lanes, cv, ct)
+            _span(x[r], g[r], w, m, s, mh, mhx, dx[r], dwc, dbc, cv, enc)
+        return
+    dw32[:] = 0.0
+    db32[:] = 0.0
+    for r in range(r0, r1):
+        m, s, mh, mhx = _means(x[r], w, g[r], mean[r], rstd[r], centre, lanes, cv, ct)
+        _span(x[r], g[r], w, m, s, mh, mhx, dx[r], dw32, db32, cv, enc)
+        if (r - r0) % FLUSH_ROWS == FLUSH_ROWS - 1 or r == r1 - 1:
+            for j in range(dwc.shape[0]):
+                dwc[j] += np.float64(dw32[j])
+                dbc[j] += np.float64(db32[j])
+            dw32[:] = 0.0
+            db32[:] = 0.0
+
+
+# ---------------------------------------------------------------- one per format
+@strict
+def chunk_f64(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
+    _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, to_f64, to_f64,
+           np.float64, True)
+
+
+@strict
+def chunk_f32(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
+    _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, as_f32, as_f32,
+           np.float32, True)
+
+
+@strict
+def chunk_f16(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
+    _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, decode_f16,
+           encode_f16, np.float32, False)
+
+
+@strict
+def chunk_bf16(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
+    _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, decode_bf16,
+           encode_bf16, np.float32, False)
+
+
+@strict
+def means_f64(xr, wr, gr, mean, rstd, centre, lanes):
+    return _means(xr, wr, gr, mean, rstd, centre, lanes, to_f64, np.float64)
+
+
+@strict
+def means_f32(xr, wr, gr, mean, rstd, centre, lanes):
+    return _means(xr, wr, gr, mean, rstd, centre, lanes, as_f32, np.float32)
+
+
+@strict
+def means_f16(xr, wr, gr, mean, rstd, centre, lanes):
+    return _means(xr, wr, gr, mean, rstd, centre, lanes, decode_f16, np.float32)
+
+
+@strict
+def means_bf16(xr, wr, gr, mean, rstd, centre, lanes):
+    return _means(xr, wr, gr, mean, rstd, centre, lanes, decode_bf16, np.float32)
+
+
+@strict
+def span_f64(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr):
+    _span(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr, to_f64, to_f64)
+
+
+@strict
+def span_f32(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr):
+    _span(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr, as_f32, as_f32)
+
+
+@strict
+def span_f16(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr):
+    _span(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr, decode_f16, encode_f16)
+
+
+@strict
+def span_bf16(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr):
+    _span(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr, decode_bf16, encode_bf16)
+
+
+def _of(by_format):
+    """A dispatcher over `by_format` (float64, float32, float16, bfloat16 functions),
+    chosen by the rows' dtype when compiling (a float16 function cannot even be typed
+    on float32 rows) and, for 16-bit rows, by fmt (0 float16, 1 bfloat16)."""
+    f64, f32, f16, bf16 = by_format
+
+    def pick(fmt, x, *args):
+        """See _of."""
+
+    @overload(pick)
+    def _pick(fmt, x, *args):
+        if x.dtype == types.float64:
+            return lambda fmt, x, *args: f64(x, *args)
+        if x.dtype == types.float32:
+            return lambda fmt, x, *args: f32(x, *args)
+
+        def half(fmt, x, *args):
+            if fmt == 0:
+                return f16(x, *args)
+            return bf16(x, *args)
+        return half
+    return pick
+
+
+chunk_of = _of((chunk_f64, chunk_f32, chunk_f16, chunk_bf16))
+means_of = _of((means_f64, means_f32, means_f16, means_bf16))
+span_of = _of((span_f64, span_f32, span_f16, span_bf16))
+
+
+@jit_strict
+def bwd(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks, fmt, centre):
+    """The backward in chunks of rows, one per thread: float64 partial dgamma/dbeta per
+    chunk (the caller adds the chunks and rounds once); dw32/db32 are float32 scratch
+    rows, one per chunk, that the caller allocates with the outputs. w is float64 for
+    float64 rows, float32 otherwise; fmt: 0 float16, 1 bfloat16 (16-bit rows only)."""
+    rows = x.shape[0]
+    per = (rows + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        r0, r1 = c * per, min(rows, (c + 1) * per)
+        chunk_of(fmt, x, w, g, mean, rstd, dx, dw_part[c], db_part[c], dw32[c], db32[c],
+                 r0, r1, centre)
+
+
+@jit_strict
+def bwd_cols(x, w, g, mean, rstd, dx, dw, db, means, fmt, centre):
+    """The backward for few rows: means() of every row (into `means`, [rows, 4] of the
+    compute dtype), then dx and the dgamma/dbeta sums (float64, written once into dw,
+    db) tile by tile of TILE columns."""
+    rows, d = x.shape
+    for r in prange(rows):
+        means[r, 0], means[r, 1], means[r, 2], means[r, 3] = means_of(
+            fmt, x[r], w, g[r], mean[r], rstd[r], centre, np.empty((2, LANES)))
+    for t in prange((d + TILE - 1) // TILE):
+        j0, j1 = t * TILE, min(d, (t + 1) * TILE)
+        dwt, dbt, wt = dw[j0:j1], db[j0:j1], w[j0:j1]
+        dwt[:] = 0.0
+        dbt[:] = 0.0
+        for r in range(rows):
+            span_of(fmt, x[r, j0:j1], g[r, j0:j1], wt, means[r, 0], means[r, 1], means[r, 2],
+                    means[r, 3], dx[r, j0:j1], dwt, dbt)
