@@ -71,14 +71,6 @@ def _row_sums(xr, wr, gr, m, s, lanes, cv):
     is, wherever this is compiled."""
     d = xr.shape[0]
     sh, shx = lanes[0], lanes[1]
-    if d < LANES:  # a short row: one term a lane, added in order (no lanes to zero, fold)
-        a = 0.0
-        b = 0.0
-        for j in range(d):
-            h, t = _terms(xr, wr, gr, m, s, j, cv)
-            a += h
-            b += t
-        return a, b
     sh[:] = 0.0
     shx[:] = 0.0
     whole = d - d % LANES
