@@ -1,8 +1,8 @@
-"""The numba backend's two backward layouts: rows in chunks (norm_bwd for float64, bwd32
-for the others) and, for fewer than COLUMN_ROWS rows, column tiles (norm_bwd_cols,
-bwd32_cols). A row's dx
-must have the same bits in both, so that a sample's gradient does not depend on the size
-of its batch; dgamma/dbeta are sums over the batch and only agree to rounding."""
+"""A row's bits in the numba backend do not depend on its batch. Forward: each row's
+sums run in a loop of their own, whatever its place in the chunk. Backward
+(_numba_backward): two layouts, rows in chunks (bwd) and, for fewer than COLUMN_ROWS
+rows, column tiles (bwd_cols); a row's dx must have the same bits in both.
+dgamma/dbeta are sums over the batch and only agree to rounding."""
 
 from __future__ import annotations
 
