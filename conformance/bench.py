@@ -301,6 +301,11 @@ def _groups(items: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
+def _not_measured(name: str, items: list[dict], why: str) -> list[dict]:
+    """A record for each of `items` that `name` did not measure, saying `why`."""
+    return [dict(_record(name, item), pid=None, error=why) for item in items]
+
+
 #: Seconds between one process's turn and the next's: threads of the last that still
 #: spin (OpenMP's wait before it sleeps) have stopped before the next one's copy is timed.
 TURN_PAUSE_S = 0.05
@@ -347,8 +352,7 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
             turns = list(enumerate(workers))
             for w, (name, worker) in (turns if i % 2 == 0 else turns[::-1]):
                 if w in stopped:
-                    for item in group:
-                        rows.append(dict(_record(name, item), pid=None, error=stopped[w]))
+                    rows.extend(_not_measured(name, group, stopped[w]))
                     continue
                 time.sleep(TURN_PAUSE_S)
                 got = len(rows)
@@ -358,10 +362,9 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
                            else out.detail)
                     stopped[w] = f"not measured: {name}'s bench process stopped ({why})"
                     progress(f"{name}: {stopped[w]}")
-                    for item in group[len(rows) - got:]:
-                        rows.append(dict(_record(name, item), pid=None, error=stopped[w]))
+                    rows.extend(_not_measured(name, group[len(rows) - got:], stopped[w]))
             for name, why in unavailable.items():
-                rows.extend(dict(_record(name, item), pid=None, error=why) for item in group)
+                rows.extend(_not_measured(name, group, why))
     finally:
         for _, worker in workers:
             worker.stop()

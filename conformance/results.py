@@ -91,9 +91,9 @@ BACKEND_DEFAULTS: dict[str, Any] = {"source": "", "version": "", "error": None, 
 BENCH_KEYS = {"backend": str, "op": str, "dtype": str, "shape": list, "pass": str}
 BENCH_DEFAULTS: dict[str, Any] = {"series": "table", "ms": None, "gbps": None, "copy_gbps": None,
                                   "copy_before_gbps": None, "copy_after_gbps": None,
-                                  "of_copy": None, "vs_torch": None, "vs_torch_note": "", "timed": "",
-                                  "error": "",
-                                  "attempts": None, "pid": None, "run": ""}
+                                  "of_copy": None, "vs_torch": None, "vs_torch_note": "",
+                                  "timed": "", "error": "", "attempts": None, "pid": None,
+                                  "run": ""}
 RUN_DEFAULTS: dict[str, Any] = {"created": "", "seed": None, "host": "", "cpu": "", "platform": "",
                 "python": "", "versions": {}, "argv": [], "complete": True, "stopped_by": "",
                 "not_reached": [], "shard": "", "replicas": None}

@@ -24,7 +24,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from ._numba_jit import jit_strict, strict, strict_inline
-from ._numba_rows import as_f32, decode_bf16, decode_f16, encode_bf16, encode_f16
+from ._numba_rows import decode_bf16, decode_f16, encode_bf16, encode_f16
 
 #: Fewer rows than this take bwd_cols: the partial dgamma/dbeta rows of bwd ([chunks, d]
 #: float64, zeroed, updated at every row and summed) would move more bytes than the few
@@ -43,7 +43,14 @@ FLUSH_ROWS = 32
 
 @strict_inline
 def to_f64(v):
+    """The 'decoding' (and encoding) of float64 rows."""
     return np.float64(v)
+
+
+@strict_inline
+def as_f32(v):
+    """The 'decoding' (and encoding) of float32 rows."""
+    return np.float32(v)
 
 
 @strict_inline

@@ -111,10 +111,6 @@ def encode_f16(v):
 def encode_bf16(v):
     return codec.encode_bf16(v)
 
-@inline
-def as_f32(v):
-    """The 'decoding' of float32 rows (fmt 2) in the float32-compute backward."""
-    return np.float32(v)
 
 
 @inline
@@ -196,9 +192,9 @@ def _half_stats(xr, d, eps, centre, dec):
     (1 + c^2), c = |mean - k| / std: with c^2 <= MAX_SHIFT_RATIO, below 12 * 2^-18.7 =
     2^-15.1 vectorized as here (rstd off by 2^-16.1, a 34th of float16's unit roundoff)
     and below 12 * 2^-15.0 = 2^-11.4 even scalar (rstd 2^-12.4, under half of it, which
-    the output bound of the conformance checks covers). The mean of 16 elements is within a quarter of a
-    standard deviation of the row's for most rows (c^2 ~ 1/16); with k = x[0], as before,
-    one Gaussian row in 12 would have missed c^2 <= 3. A row outside that (outliers
+    the output bound of the conformance checks covers). The mean of 16 elements is
+    within a quarter of a standard deviation of the row's for most rows (c^2 ~ 1/16);
+    with k = x[0], as before, one Gaussian row in 12 would have missed c^2 <= 3. A row outside that (outliers
     among its first elements), or whose float32 squares may have overflowed (bfloat16
     beyond ~1e19), underflowed (mean square below TINY_MEAN_SQUARE) or met NaN/inf, is
     summed again in float64."""

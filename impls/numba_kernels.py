@@ -154,7 +154,7 @@ class NumbaBackend(Backend):
                            op == "layer_norm")
         return y16, mean, rstd
 
-    def _backward(self, op, xr, w, g, mean, rstd, fmt, out=None):
+    def _backward(self, op, xr, w, g, mean, rstd, fmt=None, out=None):
         """dx, dgamma, dbeta of rows `xr` (16-bit rows as their patterns, fmt 0 float16,
         1 bfloat16; fmt None otherwise), computed as _numba_backward says; `out` as
         _bwd_out makes it. Few rows take bwd_cols, which writes the final dgamma/dbeta
@@ -195,8 +195,7 @@ class NumbaBackend(Backend):
             out = y.reshape(x.shape).astype(x.dtype, copy=False)
             if grad_output is None:
                 return Result(out)
-            dx, dw, db = self._backward(op, xr, w, _rows(grad_output, d, ct), mean, rstd,
-                                        _FMT.get(xr.dtype))
+            dx, dw, db = self._backward(op, xr, w, _rows(grad_output, d, ct), mean, rstd)
         shape = tuple(normalized_shape)
         gw = dw.reshape(shape).astype(x.dtype) if weight is not None else None
         gb = db.reshape(shape).astype(x.dtype) if bias is not None else None
@@ -233,8 +232,7 @@ class NumbaBackend(Backend):
         new_residual = s.reshape(x.shape).astype(x.dtype)
         if grad_outputs is None:
             return FusedAddNormResult(out, new_residual)
-        dx, dw, db = self._backward(norm, s, w, _rows(grad_outputs[0], d, ct), mean, rstd,
-                                    _FMT.get(s.dtype))
+        dx, dw, db = self._backward(norm, s, w, _rows(grad_outputs[0], d, ct), mean, rstd)
         g = (dx + _rows(grad_outputs[1], d, ct)).reshape(x.shape).astype(x.dtype)
         shape = tuple(normalized_shape)
         gw = dw.reshape(shape).astype(x.dtype) if weight is not None else None
