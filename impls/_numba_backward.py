@@ -35,20 +35,25 @@ COLUMN_ROWS = 64
 TILE = 512
 #: Partial sums of a row's sums, each over every LANES-th element of the row. They live
 #: in memory (strict code cannot keep them in registers), so each block of LANES adds
-#: waits for the previous block's stores: 32 lanes are four vectors of float64 in flight
-#: instead of two, and the sums of a [1, 4096] float32 row ran 1.8x faster than with 16.
+#: waits for the previous block's stores: 32 lanes are four independent chains of float64
+#: vectors instead of two (with AVX-512 here; twice as many narrower ones elsewhere), and
+#: the sums of a [1, 4096] float32 row ran 1.8x faster than with 16.
 LANES = 32
 #: Rows whose dgamma/dbeta terms 16-bit rows sum in float32 before they are added to the
 #: float64 partial sums: 32 roundings of 2^-24 are 2^-19, far below a 16-bit ulp.
 FLUSH_ROWS = 32
 #: The same for float32 rows, whose own ulp is the unit of their bound. k terms added in
 #: float32 err by at most (k - 1) u times the sum of their magnitudes S, under k - 1
-#: ulps of S (ulp(S) > u S); each term carries 3 roundings of its own (x - m, times r,
-#: g times x_hat) and the result one more of half an ulp: under k + 2.5 ulps in all. The
-#: param_gradient bound is 1 + 4 kappa (log2 n + 1) ulps, n every element of g: at least
-#: 29 here, as `bwd` takes COLUMN_ROWS = 64 rows or more. k = 8 stays under 11. Summed
-#: in float32 so, the terms cost one float32 addition each instead of two conversions and
-#: two float64 additions ([256, 1000] float32 LayerNorm backward: 15% faster).
+#: ulps of S (ulp(S) > u S). Each term g x_hat carries roundings of its own: x - m, times
+#: r, times g and r itself (one u each), and m rounded to float32 shifts x - m by up to
+#: (kappa - 1) u of the spread; the result rounds once more (half an ulp): under
+#: k + 2.5 + kappa ulps in all. The param_gradient bound is 1 + 4 kappa (log2 n + 1)
+#: ulps, n every element of g, and `bwd` only ever takes COLUMN_ROWS = 64 rows or more,
+#: so it is at least 1 + 28 kappa: k = 8 stays under it for every kappa >= 1. Summed in
+#: float32 so, the terms cost one float32 addition each instead of two conversions and
+#: two float64 additions ([256, 1000] float32 LayerNorm backward: 15% faster). Terms
+#: within a factor k of float32's largest value can overflow these sums where float64
+#: ones would not (16-bit rows' could already); no conformance input is there.
 FLUSH_ROWS_F32 = 8
 
 

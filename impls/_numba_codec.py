@@ -2,12 +2,15 @@
 between, rounded to nearest even, so a half-precision row is read and written once.
 
 Each conversion is written directly in LLVM IR (a Numba intrinsic) in 32-bit integer
-operations and selects, with no branch: Numba widens uint32 arithmetic to 64 bits, and
-a branch per element keeps a loop scalar, either of which halved or worse the throughput
-of the loops that call them. Written this way LLVM vectorizes those loops as it does the
-float32 ones. The float operations carry no fast-math flag, so no rounding step can be
-reassociated away and NaN/inf are handled as the bits say. Checked against NumPy's and
-ml_dtypes' casts on every 16-bit pattern and millions of float32 (tests/test_numba_codec.py)."""
+operations, float comparisons and selects, with no branch: Numba widens uint32
+arithmetic to 64 bits, and a branch per element keeps a loop scalar, either of which
+halved or worse the throughput of the loops that call them. Written this way LLVM
+vectorizes those loops as it does the float32 ones. The float operations carry no
+fast-math flag, so no rounding step can be reassociated away and NaN/inf are handled as
+the bits say (callers must not add 'nnan' either, which would fold encode_bf16's NaN
+test away: _numba_jit.FASTMATH leaves it out). Checked against NumPy's and ml_dtypes'
+casts on every 16-bit pattern and millions of float32 (tests/test_numba_codec.py); a
+NaN's payload bits are not compared, only that it stays a NaN of its sign."""
 
 import llvmlite.binding as llvm
 from llvmlite import ir
