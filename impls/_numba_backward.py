@@ -33,28 +33,12 @@ from ._numba_rows import decode_bf16, decode_f16, encode_bf16, encode_f16
 COLUMN_ROWS = 64
 #: Columns per tile of bwd_cols: its dgamma/dbeta sums stay in L1.
 TILE = 512
-#: Partial sums of a row's sums, each over every LANES-th element of the row. They live
-#: in memory (strict code cannot keep them in registers), so each block of LANES adds
-#: waits for the previous block's stores: 32 lanes are four independent chains of float64
-#: vectors instead of two (with AVX-512 here; twice as many narrower ones elsewhere), and
-#: the sums of a [1, 4096] float32 row ran 1.8x faster than with 16.
-LANES = 32
+#: Partial sums of a row's sums, each over every LANES-th element of the row.
+LANES = 16
 #: Rows whose dgamma/dbeta terms 16-bit rows sum in float32 before they are added to the
-#: float64 partial sums: 32 roundings of 2^-24 are 2^-19, far below a 16-bit ulp.
+#: float64 partial sums: 32 roundings of 2^-24 are 2^-19, far below a 16-bit ulp. float32
+#: rows, whose own ulp that would not be below, add theirs to the float64 sums at once.
 FLUSH_ROWS = 32
-#: The same for float32 rows, whose own ulp is the unit of their bound. k terms added in
-#: float32 err by at most (k - 1) u times the sum of their magnitudes S, under k - 1
-#: ulps of S (ulp(S) > u S). Each term g x_hat carries roundings of its own: x - m, times
-#: r, times g and r itself (one u each), and m rounded to float32 shifts x - m by up to
-#: (kappa - 1) u of the spread; the result rounds once more (half an ulp): under
-#: k + 2.5 + kappa ulps in all. The param_gradient bound is 1 + 4 kappa (log2 n + 1)
-#: ulps, n every element of g, and `bwd` only ever takes COLUMN_ROWS = 64 rows or more,
-#: so it is at least 1 + 28 kappa: k = 8 stays under it for every kappa >= 1. Summed in
-#: float32 so, the terms cost one float32 addition each instead of two conversions and
-#: two float64 additions ([256, 1000] float32 LayerNorm backward: 15% faster). Terms
-#: within a factor k of float32's largest value can overflow these sums where float64
-#: ones would not (16-bit rows' could already); no conformance input is there.
-FLUSH_ROWS_F32 = 8
 
 
 @strict_inline
@@ -132,12 +116,12 @@ def _span(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr, cv, enc):
 
 @strict_inline
 def _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, cv, enc, ct,
-           flush):
+           direct):
     """Rows r0..r1: each row's sums from one pass, then dx and the dgamma/dbeta terms
     from a second over the row in cache; the terms added to the chunk's float64 sums
-    dwc, dbc directly (flush 0), or first in float32 over `flush` rows (dw32, db32)."""
+    dwc, dbc `direct`ly, or first in float32 over FLUSH_ROWS rows (dw32, db32)."""
     lanes = np.empty((2, LANES))
-    if flush == 0:
+    if direct:
         for r in range(r0, r1):
             m, s, mh, mhx = _means(x[r], w, g[r], mean[r], rstd[r], centre, lanes, cv, ct)
             _span(x[r], g[r], w, m, s, mh, mhx, dx[r], dwc, dbc, cv, enc)
@@ -147,7 +131,7 @@ def _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, cv, en
     for r in range(r0, r1):
         m, s, mh, mhx = _means(x[r], w, g[r], mean[r], rstd[r], centre, lanes, cv, ct)
         _span(x[r], g[r], w, m, s, mh, mhx, dx[r], dw32, db32, cv, enc)
-        if (r - r0) % flush == flush - 1 or r == r1 - 1:
+        if (r - r0) % FLUSH_ROWS == FLUSH_ROWS - 1 or r == r1 - 1:
             for j in range(dwc.shape[0]):
                 dwc[j] += np.float64(dw32[j])
                 dbc[j] += np.float64(db32[j])
@@ -159,25 +143,25 @@ def _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, cv, en
 @strict
 def chunk_f64(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
     _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, to_f64, to_f64,
-           np.float64, 0)
+           np.float64, True)
 
 
 @strict
 def chunk_f32(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
     _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, as_f32, as_f32,
-           np.float32, FLUSH_ROWS_F32)
+           np.float32, True)
 
 
 @strict
 def chunk_f16(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
     _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, decode_f16,
-           encode_f16, np.float32, FLUSH_ROWS)
+           encode_f16, np.float32, False)
 
 
 @strict
 def chunk_bf16(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
     _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, decode_bf16,
-           encode_bf16, np.float32, FLUSH_ROWS)
+           encode_bf16, np.float32, False)
 
 
 @strict

@@ -8,12 +8,11 @@ values themselves (round to nearest even), so a half-precision call moves half t
 of a float32 one; their forward statistics are float32 block sums around the mean of
 the row's first 16 elements, added in float64, and summed again in float64 where that
 could lose accuracy (_numba_rows._half_stats). The backward of float32 rows is computed
-in float32 as well, its row sums in float64 and its dgamma/dbeta in float32 over a few
-rows, then in float64 (_numba_backward.FLUSH_ROWS_F32); float64 rows in float64. The
-kernels live in _numba_rows.py (forward), _numba_backward.py, _numba_codec.py,
-_numba_fused.py and _numba_bn.py, compiled as _numba_jit.py says (cached on disk;
-fast-math that keeps NaN and inf, except the backward, which is strict so that a row's
-dx has the same bits in any batch).
+in float32 as well, its sums in float64; float64 rows in float64. The kernels live in
+_numba_rows.py (forward), _numba_backward.py, _numba_codec.py, _numba_fused.py and
+_numba_bn.py, compiled as _numba_jit.py says (cached on disk; fast-math that keeps NaN
+and inf, except the backward, which is strict so that a row's dx has the same bits in
+any batch).
 """
 
 from __future__ import annotations
