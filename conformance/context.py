@@ -45,23 +45,28 @@ PHASES_WITH_SHRINK = PHASES + (Phase.shrink,)
 
 
 _draw_guard = {"depth": 0, "saved": None}
-_draw_guard_lock = threading.Lock()  # the pytest plugin runs checks in threads
+_draw_guard_lock = threading.Lock()  # the pytest plugin and coverage run checks in threads
 
 
 @contextlib.contextmanager
 def seed_only_draws():
-    """Hypothesis draws that depend on the seed alone. Hypothesis (6.170 here) mixes literal
-    numbers found in the source of every loaded module outside site-packages into about
-    one draw in twenty: the same seed drew different examples from an editable install
-    of normspec than from a normal one (seen here: 8 of 12 drawn records of two checks),
-    and would from a user's backend file kept in their own repository. While any check
-    draws, that source of constants is empty (counted across threads; its cache cleared
-    on the way in and out, so a user's own Hypothesis tests in the same process keep
-    theirs). A Hypothesis without that internal draws as it always did."""
+    """Hypothesis draws that depend on the seed alone. Hypothesis (since 6.131) collects
+    the literals (numbers, strings, bytes) in the source of every loaded module outside
+    site-packages, and tries a collected or built-in constant in about one draw in
+    twenty: with local ones among them, the same seed drew different examples from an
+    editable install of normspec than from a normal one (8 of 12 drawn records of two
+    checks), or with a user's backend file kept in their own repository. Inside this
+    context Hypothesis sees no local constants, only its own; a normal install has none
+    anyway, so its draws do not change. Internal API: where it is missing there is
+    nothing to switch off.
+
+    The switch is process-wide: while any thread is inside (an abandoned, timed-out
+    check included), other Hypothesis tests in the process draw without local constants
+    too; the last thread out restores them. Nested and overlapping uses are counted."""
     try:
         from hypothesis.internal.conjecture import providers
-        from hypothesis.internal.constants_ast import Constants
         cache = providers.CONSTANTS_CACHE.cache
+        empty = providers.Constants()
         providers._get_local_constants  # noqa: B018 - present in this Hypothesis?
     except (ImportError, AttributeError):
         yield
@@ -69,9 +74,8 @@ def seed_only_draws():
     with _draw_guard_lock:
         if _draw_guard["depth"] == 0:
             _draw_guard["saved"] = providers._get_local_constants
-            none = Constants()
-            providers._get_local_constants = lambda: none
-            cache.clear()
+            providers._get_local_constants = lambda: empty
+            cache.clear()  # permitted constants are cached with the local ones mixed in
         _draw_guard["depth"] += 1
     try:
         yield

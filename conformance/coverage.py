@@ -54,7 +54,6 @@ suite fails when it is stale or when a parameter is varied by no check.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import inspect
 import re
@@ -76,7 +75,7 @@ from normspec.impls.protocol import (
 
 from . import runner
 from .checks import Check, all_checks
-from .context import Context
+from .context import Context, seed_only_draws
 
 #: Hypothesis examples per check: enough to draw several values of each drawn parameter,
 #: few enough to keep the run (every check, once) to seconds on a NumPy backend.
@@ -290,29 +289,6 @@ def _dtypes_for(check: Check) -> tuple[str, str | None]:
     return primary, second
 
 
-@contextlib.contextmanager
-def _draws_independent_of_imports():
-    """Hypothesis (since 6.131) mixes constants found in the source of every local module
-    imported so far into its draws, so one seed draws differently in a test session, in a
-    fresh process, or with normspec installed non-editable. The committed table must be
-    the same everywhere, so while coverage is measured it draws from Hypothesis's own
-    constants only. Internal API: where it is missing there is nothing to switch off."""
-    try:
-        from hypothesis.internal.conjecture import providers
-        original, cache = providers._get_local_constants, providers.CONSTANTS_CACHE.cache
-        empty = providers.Constants()
-    except (ImportError, AttributeError):
-        yield
-        return
-    providers._get_local_constants = lambda: empty
-    cache.clear()  # permitted constants are cached with the local ones mixed in
-    try:
-        yield
-    finally:
-        providers._get_local_constants = original
-        cache.clear()
-
-
 def measure(backend, *, checks: list[Check] | None = None, timeout: float = 120.0) -> Coverage:
     """Run every check once on a recording wrapper around `backend` (a correct backend
     claiming every capability) and return what each check varied."""
@@ -334,7 +310,7 @@ def measure(backend, *, checks: list[Check] | None = None, timeout: float = 120.
                 problems.append(f"{check.id} [{dtype}] {r.case}: {r.status}: {r.message[:200]}")
 
     dtype_params = [(op, p.name) for op, ps in params.items() for p in ps if _is_dtype_parameter(p)]
-    with _draws_independent_of_imports():
+    with seed_only_draws():
         for check in checks:
             primary, _ = _dtypes_for(check)
             rec.primary[check.id] = primary
