@@ -288,16 +288,16 @@ def compare_to_torch(rows: list[dict]) -> None:
         r["vs_torch"] = r["of_copy"] / t["of_copy"]
 
 
-def _key(r: dict) -> tuple:
-    return (r["series"], r["op"], r["dtype"], tuple(r["shape"]), r["pass"])
+def _key(r: dict, pass_field: str = "pass") -> tuple:
+    """What one measurement is, variants aside (plan items spell the pass `pass_`)."""
+    return (r["series"], r["op"], r["dtype"], tuple(r["shape"]), r[pass_field])
 
 
 def _groups(items: list[dict]) -> list[list[dict]]:
     """The plan in groups of one measurement each (its variants together), in order."""
     groups: dict[tuple, list[dict]] = {}
     for item in items:
-        key = (item["series"], item["op"], item["dtype"], tuple(item["shape"]), item["pass_"])
-        groups.setdefault(key, []).append(item)
+        groups.setdefault(_key(item, "pass_"), []).append(item)
     return list(groups.values())
 
 

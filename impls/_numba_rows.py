@@ -112,7 +112,6 @@ def encode_bf16(v):
     return codec.encode_bf16(v)
 
 
-
 @inline
 def _half_sums(xr, d, k, dec):
     """Sums of (x - k) and (x - k)^2 over a 16-bit row, in float64 (k = 0 for RMSNorm)."""
@@ -194,10 +193,10 @@ def _half_stats(xr, d, eps, centre, dec):
     and below 12 * 2^-15.0 = 2^-11.4 even scalar (rstd 2^-12.4, under half of it, which
     the output bound of the conformance checks covers). The mean of 16 elements is
     within a quarter of a standard deviation of the row's for most rows (c^2 ~ 1/16);
-    with k = x[0], as before, one Gaussian row in 12 would have missed c^2 <= 3. A row outside that (outliers
-    among its first elements), or whose float32 squares may have overflowed (bfloat16
-    beyond ~1e19), underflowed (mean square below TINY_MEAN_SQUARE) or met NaN/inf, is
-    summed again in float64."""
+    with k = x[0], as before, one Gaussian row in 12 would have missed c^2 <= 3. A row
+    outside that (outliers among its first elements), or whose float32 squares may have
+    overflowed (bfloat16 beyond ~1e19), underflowed (mean square below TINY_MEAN_SQUARE)
+    or met NaN/inf, is summed again in float64."""
     k = _shift(xr, d, dec) if centre else np.float32(0.0)
     s1, s2 = _half_sums32(xr, d, k, dec)
     m1 = s1 / d
