@@ -31,7 +31,7 @@ import triton.language as tl
 
 
 @triton.jit
-def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
+def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps, mean_scale,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
              CENTRE: tl.constexpr, ACC64: tl.constexpr):
     """Y = (X - mean) * rstd * W (+ B).
@@ -40,7 +40,10 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
     the mean is 0, the raw mean square is used and B is not read. Mean and Rstd (1/std)
     are stored per row for the backward. ONE_BLOCK (N <= BLOCK_N): a program loads a
     [BLOCK_M, BLOCK_N] tile of BLOCK_M rows once and keeps it in registers; otherwise
-    (BLOCK_M = 1) it takes one row in three passes over column blocks, as the tutorial."""
+    (BLOCK_M = 1) it takes one row in three passes over column blocks, as the tutorial.
+    The mean is the sum of x * mean_scale (2^-k, 2^k >= N: exact) over N * mean_scale:
+    the same bits as sum / N, but a row near the largest finite value does not overflow
+    the sum (a constant row of 8.5e37 gives beta, not NaN: pytorch #173793)."""
     acc_t = tl.float64 if ACC64 else tl.float32
     if ONE_BLOCK:
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -53,7 +56,7 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
         x = tl.load(X + r64 * stride_xm + (cols * stride_xn)[None, :], mask=mask,
                     other=0.0).to(acc_t)
         if CENTRE:
-            mean = tl.sum(x, axis=1) / N
+            mean = tl.sum(x * mean_scale, axis=1) / (N * mean_scale)
             xc = tl.where(mask, x - mean[:, None], 0.0)
         else:
             mean = 0.0
@@ -77,8 +80,9 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
             total = tl.zeros([BLOCK_N], dtype=acc_t)
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
-                total += tl.load(X + cols * stride_xn, mask=cols < N, other=0.0).to(acc_t)
-            mean = tl.sum(total, axis=0) / N
+                total += tl.load(X + cols * stride_xn, mask=cols < N,
+                                 other=0.0).to(acc_t) * mean_scale
+            mean = tl.sum(total, axis=0) / (N * mean_scale)
         sq = tl.zeros([BLOCK_N], dtype=acc_t)
         for off in range(0, N, BLOCK_N):
             cols = off + tl.arange(0, BLOCK_N)

@@ -74,7 +74,12 @@ class NumpyBackend(NumpyDataParallel, Backend):
 
     # --- statistics, overridable one at a time by the test-suite's broken variants ---
     def mean(self, v, axes):
-        return _mean(v, axes)
+        """The sum of v 2^-k (exact, 2^k >= n) over n 2^-k: the same bits as sum / n, but
+        n values near the largest finite value do not overflow the sum (a constant row of
+        8.5e37 has mean 8.5e37 and LayerNorm output beta, not NaN: pytorch #173793)."""
+        n = int(np.prod([v.shape[a] for a in axes]))
+        scale = v.dtype.type(2.0 ** -(n - 1).bit_length())
+        return _sum(v * scale, axes, keepdims=True) / (v.dtype.type(n) * scale)
 
     def variance(self, v, axes, mu):
         return _mean((v - mu) ** 2, axes)

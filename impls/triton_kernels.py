@@ -148,8 +148,8 @@ class TritonBackend(Backend):
         block_m, block_n, one = _row_blocks(d)
         self.k.norm_fwd[(cdiv(rows, block_m),)](
             xr, y, w, b, mean, rstd, xr.stride(0), xr.stride(1), y.stride(0), rows, d,
-            float(eps), BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one, CENTRE=centre,
-            ACC64=a64)
+            float(eps), 2.0 ** -(d - 1).bit_length(), BLOCK_M=block_m, BLOCK_N=block_n,
+            ONE_BLOCK=one, CENTRE=centre, ACC64=a64)
         out = to_numpy(y).reshape(x.shape)
         if grad_output is None:
             return Result(out)

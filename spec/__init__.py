@@ -37,7 +37,7 @@ from .fused_residual import (
 )
 from .layer_norm import layer_norm, layer_norm_vjp
 from .rms_norm import RMS_NORM_DEFAULT_EPS, rms_norm, rms_norm_vjp
-from .rounding import round_to, ulp, ulp_distance
+from .rounding import largest_finite, round_to, ulp, ulp_distance
 from .transformer import (
     ENCODER_LAYER_PARAMS,
     feed_forward,
@@ -71,6 +71,7 @@ __all__ = [
     "fused_add_norm_vjp",
     "fused_residual_sum",
     "gelu",
+    "largest_finite",
     "layer_norm",
     "layer_norm_vjp",
     "local_batch_norm_train",

@@ -33,6 +33,11 @@ def unit_roundoff(dtype) -> float:
     return 2.0 ** -_format(_check_dtype(dtype))[0]
 
 
+def largest_finite(dtype) -> float:
+    """The largest finite value of `dtype` (65504 for float16, ~3.39e38 for bfloat16)."""
+    return _format(_check_dtype(dtype))[2]
+
+
 def ulp(values, dtype) -> np.ndarray:
     """The spacing of `dtype` at |values| (subnormal spacing below the normal range), float64."""
     dt = _check_dtype(dtype)

@@ -21,6 +21,14 @@ class NaiveVariance(NumpyBackend):
         return np.maximum((v * v).mean(axis=axes, keepdims=True) - mu * mu, 0)
 
 
+class MeanOverflows(NumpyBackend):
+    """The mean as sum / d in the compute dtype: d copies of 8.5e37 sum to inf in float32,
+    and the constant row's output is NaN (pytorch #173793)."""
+
+    def mean(self, v, axes):
+        return v.sum(axis=axes, keepdims=True) / v.dtype.type(np.prod([v.shape[a] for a in axes]))
+
+
 class EpsOutsideSqrt(NumpyBackend):
     """1 / (sqrt(var) + eps) instead of 1 / sqrt(var + eps)."""
 

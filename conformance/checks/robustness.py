@@ -1,6 +1,7 @@
 """Numerical robustness: inputs that break careless kernels. float16 rows around +-1000
 (sum x^2 overflows if accumulated in float16), a large mean with a tiny spread, all-zero
-and constant rows (eps keeps them finite), non-contiguous inputs, and NaN/inf.
+and constant rows (eps keeps them finite), constant rows near the largest finite value
+(a mean taken as sum / d overflows there), non-contiguous inputs, and NaN/inf.
 
 What the spec implies for NaN and inf: the formulas are evaluated in IEEE arithmetic,
 so a NaN anywhere in a row makes that row's mean (and so every output of the row) NaN;
@@ -9,6 +10,7 @@ an inf makes LayerNorm's row NaN (inf - inf) and RMSNorm's row 0 except NaN at t
 
 from __future__ import annotations
 
+import normspec.spec as spec
 import numpy as np
 
 from ..cases import ArraySpec, Literal
@@ -54,6 +56,40 @@ def degenerate(ctx):
           weight=w, bias=b, eps=1e-5)
     _both(ctx, "constant rows", x=Literal.of(np.full((2, 8), 5.0)), normalized_shape=(8,),
           weight=w, bias=b, eps=1e-5)
+
+
+#: The constant row of pytorch #173793 (Inductor's LayerNorm gave NaN, eager did not).
+ROW_OF_173793 = 8.5e37
+
+
+@check("F2.constant_rows_near_max", title="Constant rows near the largest finite value: "
+       "their mean and variance (c, 0) are finite, so LayerNorm gives beta; a sum of the row or "
+       "of its squares overflows to inf and gives NaN", ops=("layer_norm",),
+       dtypes=("float32", "bfloat16"))
+def constant_rows_near_max(ctx):
+    """Bug class 9 (pytorch #173793, #178084): d copies of c add up beyond the largest
+    float32 for |c| > max / d, and c^2 for |c| > 1.8e19, while every statistic LayerNorm
+    names is still finite (mean c, variance 0): a kernel that divides the sum by d, or
+    takes the variance from x^2, gets inf, then inf - inf or 0 * inf. A scaled, shifted
+    or running (Welford) mean with a centred variance, or float64 sums, stay exact. The
+    derived bound is huge here (one ulp of the mean, 1e31 at 8.5e37, times 1/sqrt(eps)
+    is what the mean's rounding may cost a correct kernel), so what fails is what the
+    bug gives: NaN or inf. The gradient is checked too where the backend returns one
+    (dx = (h - mean h) / sqrt(eps), h = g gamma). Only float32 and bfloat16 reach such
+    values: float16's largest, 65504, times any row length stays far inside float32;
+    float64 rows near 1.8e308 would overflow the oracle's own float64 sums. RMSNorm is
+    left out: its statistic, mean(x^2) = c^2, is beyond float32 itself for |c| > 1.8e19,
+    so no float32-compute kernel can hold it."""
+    top = spec.largest_finite(ctx.dtype)
+    grads = "layer_norm" in ctx.backend.capabilities.gradients
+    for c in (ROW_OF_173793, -top):
+        for d in (8, 768):
+            with ctx.case(f"rows of {c:g}, d = {d}"):
+                layer_norm_case(ctx, x=Literal.of(np.full((2, d), c)), normalized_shape=(d,),
+                                weight=ArraySpec((d,), ctx.seed, 1.0, 0.5),
+                                bias=ArraySpec((d,), ctx.seed + 1, 0.0, 0.5), eps=1e-5,
+                                grad=ArraySpec((2, d), ctx.seed + 2, 0.0, 1.0) if grads
+                                else None)
 
 
 @check("F2/F3.non_contiguous", title="A non-contiguous input (transposed in memory) gives the "
