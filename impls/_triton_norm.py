@@ -235,14 +235,15 @@ def group_sum(DW, DB, FINAL_DW, FINAL_DB, GROUPS, N, HAS_DW: tl.constexpr,
 
 
 @triton.jit
-def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps,
+def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps, mean_scale,
            USE_BATCH: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
            ONE_BLOCK: tl.constexpr, ACC64: tl.constexpr):
     """BatchNorm forward of an [N, C, L] input (strides passed in), BLOCK_C channels a
     program; Y is contiguous. With USE_BATCH the channels' statistics (biased variance,
     two-pass) are computed and stored, otherwise Mean and Var are read (eval).
     ONE_BLOCK (N * L <= BLOCK_M): a channel's samples are one [BLOCK_C, BLOCK_M] tile,
-    loaded once; otherwise they are walked BLOCK_M at a time, three passes."""
+    loaded once; otherwise they are walked BLOCK_M at a time, three passes. The mean is
+    summed as norm_fwd's is (x * mean_scale, 2^-k with 2^k >= N * L)."""
     acc_t = tl.float64 if ACC64 else tl.float32
     chans = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = chans < C
@@ -257,7 +258,7 @@ def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps,
         x = tl.load(X + (n_i * stride_xn + l_i * stride_xl)[None, :], mask=mask,
                     other=0.0).to(acc_t)
         if USE_BATCH:
-            mean = tl.sum(x, axis=1) / m
+            mean = tl.sum(x * mean_scale, axis=1) / (m * mean_scale)
             xc = tl.where(mask, x - mean[:, None], 0.0)
             var = tl.sum(xc * xc, axis=1) / m
             tl.store(Mean + chans, mean, mask=c_ok)
@@ -279,8 +280,9 @@ def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps,
                 idx = off + tl.arange(0, BLOCK_M)
                 mask = c_ok[:, None] & (idx < m)[None, :]
                 sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
-                total += tl.load(X + sample[None, :], mask=mask, other=0.0).to(acc_t)
-            mean = tl.sum(total, axis=1) / m
+                total += tl.load(X + sample[None, :], mask=mask,
+                                 other=0.0).to(acc_t) * mean_scale
+            mean = tl.sum(total, axis=1) / (m * mean_scale)
             sq = tl.zeros([BLOCK_C, BLOCK_M], dtype=acc_t)
             for off in range(0, m, BLOCK_M):
                 idx = off + tl.arange(0, BLOCK_M)

@@ -148,7 +148,7 @@ class TritonBackend(Backend):
         block_m, block_n, one = _row_blocks(d)
         self.k.norm_fwd[(cdiv(rows, block_m),)](
             xr, y, w, b, mean, rstd, xr.stride(0), xr.stride(1), y.stride(0), rows, d,
-            float(eps), 2.0 ** -(d - 1).bit_length(), BLOCK_M=block_m, BLOCK_N=block_n,
+            float(eps), 1.0 / _pow2(d), BLOCK_M=block_m, BLOCK_N=block_n,
             ONE_BLOCK=one, CENTRE=centre, ACC64=a64)
         out = to_numpy(y).reshape(x.shape)
         if grad_output is None:
@@ -240,7 +240,8 @@ class TritonBatchNorm(RunningStatsLayer):
         block_c = min(_pow2(c), max(1, TILE // block_m))
         b.k.bn_fwd[(b.triton.cdiv(c, block_c),)](
             x3, y, self.w, self.bias, mean, var, x3.stride(0), x3.stride(1), x3.stride(2), n, c,
-            length, float(self.eps), USE_BATCH=batch, BLOCK_C=block_c, BLOCK_M=block_m,
+            length, float(self.eps), 1.0 / _pow2(m), USE_BATCH=batch,
+            BLOCK_C=block_c, BLOCK_M=block_m,
             ONE_BLOCK=m <= block_m, ACC64=self.acc == torch.float64)
         if self.training and self.stats.tracked:
             self.stats.update(to_numpy(mean), to_numpy(var) * m, m)

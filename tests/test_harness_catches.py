@@ -53,7 +53,7 @@ CATCHES = {
     "F2/F3.half_overflow": (bb.HalfAccumulation, "float16"),
     "F2.large_mean_tiny_spread": (bb.NaiveVariance, "float32"),
     "F2/F3.degenerate_rows": (bb.NoEps, "float32"),
-    "F2.constant_rows_near_max": (bb.MeanOverflows, "bfloat16"),
+    "F1/F2.constant_near_max": (bb.MeanOverflows, "bfloat16"),
     "F2/F3.non_contiguous": (bb.AssumesContiguous, "float32"),
     "F2/F3.nan_inf": (bb.NanToZero, "float32"),
     "F2/F3.subnormals": (bb.FlushesSubnormals, "float16"),

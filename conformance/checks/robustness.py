@@ -1,7 +1,8 @@
 """Numerical robustness: inputs that break careless kernels. float16 rows around +-1000
 (sum x^2 overflows if accumulated in float16), a large mean with a tiny spread, all-zero
-and constant rows (eps keeps them finite), constant rows near the largest finite value
-(a mean taken as sum / d overflows there), non-contiguous inputs, and NaN/inf.
+and constant rows (eps keeps them finite), constant rows and BatchNorm channels near the
+largest finite value (a sum of x or x^2 overflows there), non-contiguous inputs, and
+NaN/inf.
 
 What the spec implies for NaN and inf: the formulas are evaluated in IEEE arithmetic,
 so a NaN anywhere in a row makes that row's mean (and so every output of the row) NaN;
@@ -14,7 +15,7 @@ import normspec.spec as spec
 import numpy as np
 
 from ..cases import ArraySpec, Literal
-from ..ops import layer_norm_case, rms_norm_case
+from ..ops import BatchNormDriver, layer_norm_case, rms_norm_case
 from . import check
 
 OPS = {"layer_norm": layer_norm_case, "rms_norm": rms_norm_case}
@@ -62,34 +63,47 @@ def degenerate(ctx):
 ROW_OF_173793 = 8.5e37
 
 
-@check("F2.constant_rows_near_max", title="Constant rows near the largest finite value: "
-       "their mean and variance (c, 0) are finite, so LayerNorm gives beta; a sum of the row or "
-       "of its squares overflows to inf and gives NaN", ops=("layer_norm",),
-       dtypes=("float32", "bfloat16"))
-def constant_rows_near_max(ctx):
+@check("F1/F2.constant_near_max", title="Constant rows (LayerNorm) and channels (BatchNorm) "
+       "near the largest finite value: their mean and variance (c, 0) are finite, so the "
+       "output is beta; a sum of x or of x^2 overflows to inf and gives NaN",
+       ops=("layer_norm", "batch_norm"), dtypes=("float32", "bfloat16"))
+def constant_near_max(ctx):
     """Bug class 9 (pytorch #173793, #178084): d copies of c add up beyond the largest
-    float32 for |c| > max / d, and c^2 for |c| > 1.8e19, while every statistic LayerNorm
-    names is still finite (mean c, variance 0): a kernel that divides the sum by d, or
-    takes the variance from x^2, gets inf, then inf - inf or 0 * inf. A scaled, shifted
-    or running (Welford) mean with a centred variance, or float64 sums, stay exact. The
+    float32 for |c| > max / d, and c^2 for |c| > 1.8e19, while every statistic the
+    formula names is still finite (mean c, variance 0): a kernel that divides the sum by
+    d, or takes the variance from x^2, gets inf, then inf - inf or 0 * inf. A scaled,
+    shifted or running (Welford) mean with a centred variance, or float64 sums, stay
+    exact. BatchNorm's channels are the same sums over the batch (16 samples here),
+    and its running statistics stay finite too (momentum c, unbiased variance 0). The
     derived bound is huge here (one ulp of the mean, 1e31 at 8.5e37, times 1/sqrt(eps)
     is what the mean's rounding may cost a correct kernel), so what fails is what the
-    bug gives: NaN or inf. The gradient is checked too where the backend returns one
-    (dx = (h - mean h) / sqrt(eps), h = g gamma). Only float32 and bfloat16 reach such
-    values: float16's largest, 65504, times any row length stays far inside float32;
-    float64 rows near 1.8e308 would overflow the oracle's own float64 sums. RMSNorm is
-    left out: its statistic, mean(x^2) = c^2, is beyond float32 itself for |c| > 1.8e19,
-    so no float32-compute kernel can hold it."""
+    bug gives: NaN or inf. Gradients are checked too where the backend returns them.
+    Only float32 and bfloat16 reach such values: float16's largest, 65504, times any
+    row length stays far inside float32; float64 values near 1.8e308 would overflow the
+    oracle's own float64 sums. RMSNorm is left out: its statistic, mean(x^2) = c^2, is
+    beyond float32 itself for |c| > 1.8e19, so no float32-compute kernel can hold it."""
     top = spec.largest_finite(ctx.dtype)
-    grads = "layer_norm" in ctx.backend.capabilities.gradients
+    caps = ctx.backend.capabilities
     for c in (ROW_OF_173793, -top):
-        for d in (8, 768):
-            with ctx.case(f"rows of {c:g}, d = {d}"):
-                layer_norm_case(ctx, x=Literal.of(np.full((2, d), c)), normalized_shape=(d,),
-                                weight=ArraySpec((d,), ctx.seed, 1.0, 0.5),
-                                bias=ArraySpec((d,), ctx.seed + 1, 0.0, 0.5), eps=1e-5,
-                                grad=ArraySpec((2, d), ctx.seed + 2, 0.0, 1.0) if grads
-                                else None)
+        if "layer_norm" in caps.ops:
+            for d in (8, 768):
+                with ctx.case(f"layer_norm: rows of {c:g}, d = {d}", op="layer_norm"):
+                    ctx.require("layer_norm")
+                    grad = ArraySpec((2, d), ctx.seed + 2, 0.0, 1.0) \
+                        if "layer_norm" in caps.gradients else None
+                    layer_norm_case(ctx, x=Literal.of(np.full((2, d), c)),
+                                    normalized_shape=(d,),
+                                    weight=ArraySpec((d,), ctx.seed, 1.0, 0.5),
+                                    bias=ArraySpec((d,), ctx.seed + 1, 0.0, 0.5), eps=1e-5,
+                                    grad=grad)
+        if "batch_norm" in caps.ops:
+            with ctx.case(f"batch_norm: channels of {c:g}, 16 samples, train", op="batch_norm"):
+                ctx.require("batch_norm")
+                grad = ArraySpec((16, 3), ctx.seed + 2, 0.0, 1.0) \
+                    if "batch_norm" in caps.gradients else None
+                driver = BatchNormDriver(ctx, 3, weight=ArraySpec((3,), ctx.seed, 1.0, 0.5),
+                                         bias=ArraySpec((3,), ctx.seed + 1, 0.0, 0.5))
+                driver.step("x", Literal.of(np.full((16, 3), c)), mode="train", grad=grad)
 
 
 @check("F2/F3.non_contiguous", title="A non-contiguous input (transposed in memory) gives the "
