@@ -37,7 +37,6 @@ MAX_EMULATED_LENGTH = 8192
 #: test itself, and only a half dtype (the variant is about arithmetic in it).
 PRECISION = {
     "ln.one_pass_variance": ("compute_dtype", "compute"),
-    "ln.mean_as_sum_over_d": ("compute_dtype", "compute"),
     "bn.one_pass_variance": ("compute_dtype", "compute"),
     "rms.sum_of_squares_in_half": ("compute_dtype", "half"),
     "rms.one_plus_weight_in_half": ("dtype", "half"),

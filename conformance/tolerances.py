@@ -93,6 +93,14 @@ TABLE: dict[str, Tolerance] = {t.quantity: t for t in (
               "'gradient' row: growth 4) plus the written-back residual's upstream gradient "
               "g_r. Autograd holds the norm's part in T before adding g_r, one more rounding "
               "in T: base 2. Scale: the norm VJP's scale plus the row's largest |g_r|."),
+    Tolerance("constant_row", 1.0, 2.0,
+              "LayerNorm and BatchNorm outputs on a constant row or channel (every x = c): "
+              "every centred value is the same rounding delta of the mean, so the variance "
+              "is delta^2 to within the growth below (or overflows) and x_hat = delta / "
+              "sqrt(var + eps) lies within 1 + 2 (log2 n + 1) u_c of [-1, 1] (0 where var "
+              "overflows), whatever delta: y is beta to within |gamma| that much, which is "
+              "allowed per element on top of the base ULP at the row's scale |gamma| + |beta|. "
+              "The oracle gives beta; a NaN, inf, or 0 where |beta| > |gamma| fails."),
     Tolerance("invariance", 2.0, 4.0,
               "Backend against itself on two inputs (B1/B2): both sides carry the output "
               "bound, so base and growth double."),
@@ -115,6 +123,14 @@ def bound(quantity: str, dtype, n: int, kappa=1.0):
     t = TABLE[quantity]
     ratio = unit_roundoff(compute_dtype(dtype)) / unit_roundoff(dtype)
     return t.base_ulps + t.growth * np.asarray(kappa) * (np.log2(max(n, 1)) + 1.0) * ratio
+
+
+def constant_row_bound(dtype, n: int, gamma, scale):
+    """TABLE["constant_row"] in ULPs of `dtype` at `scale`, per element: the base ULPs plus
+    |gamma| (1 + growth (log2 n + 1) u_c) over the spacing of `dtype` at the scale."""
+    t = TABLE["constant_row"]
+    x_hat = 1.0 + t.growth * (np.log2(max(n, 1)) + 1.0) * unit_roundoff(compute_dtype(dtype))
+    return t.base_ulps + np.abs(gamma) * x_hat / ulp(scale, np_dtype(dtype))
 
 
 def block_stages(num_layers: int, final_norm: bool, *, gradient: bool) -> int:

@@ -74,9 +74,11 @@ class NumpyBackend(NumpyDataParallel, Backend):
 
     # --- statistics, overridable one at a time by the test-suite's broken variants ---
     def mean(self, v, axes):
-        """The sum of v 2^-k (exact, 2^k >= n) over n 2^-k: the same bits as sum / n, but
-        n values near the largest finite value do not overflow the sum (a constant row of
-        8.5e37 has mean 8.5e37 and LayerNorm output beta, not NaN: pytorch #173793)."""
+        """The sum of v 2^-k over n 2^-k, 2^k >= n: n values near the largest finite value
+        cannot overflow the sum (a constant row of 8.5e37 gives LayerNorm output beta, not
+        NaN: pytorch #173793), and scaling by a power of two is exact above the subnormal
+        range, so the mean has the same bits as sum / n there (values below ~2^k * 1e-38
+        in float32 lose low bits)."""
         n = int(np.prod([v.shape[a] for a in axes]))
         scale = v.dtype.type(2.0 ** -(n - 1).bit_length())
         return _sum(v * scale, axes, keepdims=True) / (v.dtype.type(n) * scale)

@@ -130,24 +130,6 @@ def ln_one_pass_variance(x, normalized_shape, weight=None, bias=None, eps=1e-5, 
     return _ln_affine((x - mu) / np.sqrt(var + eps), weight, bias)
 
 
-@ieee
-def ln_mean_as_sum_over_d(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
-                          compute_dtype=np.float32):
-    """The mean as the sum of x in `compute_dtype` divided by d; the variance exact.
-
-    d values near the largest finite value sum to inf there though their mean is
-    finite: a constant row of 8.5e37 in float32 gets mean inf, x - mean = -inf and NaN
-    where the spec gives beta. Elsewhere it differs from the oracle by a few roundings.
-    """
-    x, axes, weight, bias, eps = _ln_args(x, normalized_shape, weight, bias, eps)
-    rnd, d = _rounder(compute_dtype), _d(x, axes)
-    mu = _keep(rnd(_sequential_sum(rnd(x), axes, rnd) / d), x, axes)
-    with np.errstate(invalid="ignore"):
-        centred = x - mu
-        var = np.mean(centred * centred, axis=axes, keepdims=True)
-        return _ln_affine(centred / np.sqrt(var + eps), weight, bias)
-
-
 def one_pass_statistics_error(x, axes, compute_dtype=np.float32):
     """(mean bound, variance bound), per reduced slice (kept dims): how far the mean and
     the variance E[x^2] - E[x]^2 computed in `compute_dtype` (unit roundoff u) can lie from
@@ -416,10 +398,6 @@ VARIANTS = (
             "onnxruntime #28463 ([40000..40003] gives NaN) and #21935; pytorch #51102; "
             "flax.nnx.LayerNorm use_fast_variance=True (the default)",
             ln_one_pass_variance, _ln_reference, one_pass_statistics_error),
-    Variant("ln.mean_as_sum_over_d", "layer_norm",
-            "mean as sum(x) / d in a narrow dtype: the sum overflows near its largest value",
-            "pytorch #173793 (torch.compile: NaN on a constant row of 8.5e37) and #178084",
-            ln_mean_as_sum_over_d, _ln_reference),
     Variant("ln.eps_outside_sqrt", "layer_norm",
             "eps added to the standard deviation, (x - mu) / (sqrt(var) + eps)",
             "CNTK #3816 (eps outside the square root)",

@@ -195,3 +195,20 @@ def test_readme_example_backend_runs_end_to_end(tmp_path, monkeypatch, capsys):
                 and r["op"] == "rms_norm"}
     assert rms_bf16 == {"unsupported"}
     assert "mine" in printed and "conforms" in printed
+
+
+def test_numpy_mean_has_the_bits_of_sum_over_n_and_cannot_overflow():
+    """numpy's mean sums v 2^-k over n 2^-k (2^k >= n): the bits of sum / n wherever
+    the scaling is exact (above the subnormal range), and a finite mean for n values
+    near the largest finite value, where sum / n is inf."""
+    from normspec.impls.numpy_ref import NumpyBackend, _mean
+
+    backend, rng = NumpyBackend(), np.random.default_rng(7)
+    for dtype in (np.float32, np.float64):
+        for shape, axes in (((5, 17), (-1,)), ((3, 4, 1000), (1, 2)), ((6, 1), (-1,))):
+            v = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-20, 20, shape)).astype(dtype)
+            assert np.array_equal(_mean(v, axes), backend.mean(v, axes))
+        top = np.full((2, 768), np.finfo(dtype).max, dtype)
+        assert np.array_equal(backend.mean(top, (-1,)), top[:, :1])
+        with np.errstate(over="ignore"):
+            assert np.all(np.isinf(_mean(top, (-1,))))

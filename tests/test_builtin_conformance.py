@@ -44,15 +44,19 @@ KNOWN_FINDINGS = {
     ("torch", "F8.fused_add_layer_norm", "bfloat16", "fused_add_norm.grad_input"):
         "the same in bfloat16: 2.5 ULPs, bound 2.06",
     ("torch", "F1/F2.constant_near_max", "float32", "layer_norm.output"):
-        "CPU LayerNorm gives NaN for a constant row of 8.5e37 (bug class 9, pytorch #173793) "
-        "even at d = 2, whose sum is finite, while torch.var_mean says mean 8.5e37, "
-        "variance 0: its statistics overflow float32 on the way",
+        "CPU LayerNorm gives NaN for constant rows from |c| ~ 1.84e19 up, where c^2 overflows "
+        "float32 (bug class 9, pytorch #173793), even at d = 1, while torch.var_mean gives "
+        "mean c, variance 0: its statistics square x",
+    ("torch", "F1/F2.constant_near_max", "float32", "layer_norm.grad_input"):
+        "a float32 row of 16385 values of 8.5e37: the output is beta but dL/dx is NaN",
     ("torch", "F1/F2.constant_near_max", "bfloat16", "layer_norm.output"):
         "the same in bfloat16 (computed in float32): NaN where the spec gives beta",
     ("torch", "F1/F2.constant_near_max", "float32", "batch_norm.train.output"):
         "BatchNorm1d in training gives NaN for channels of 16 samples of 8.5e37 (and of "
         "the largest float32): the same overflow in its batch statistics (in bfloat16 the "
         "record is a deviation: torch.toml's entry for BatchNorm's bfloat16 statistics)",
+    ("torch", "F1/F2.constant_near_max", "float32", "batch_norm.running_var"):
+        "channels of 1e30: the output is right but the running variance is inf (spec: 0.9)",
     ("numba", "F1/F5.row_counts", "float64", "batch_norm.running_var"):
         "our numba BatchNorm accumulates the batch statistics sequentially: at 65535 samples "
         "running_var is 42 ULPs of float64 off at scale, bound 35 (tree summation)",

@@ -117,6 +117,8 @@ DEFECTS = {
     "a truncating float16 encoder (RMSNorm)": (bb.TruncatesHalf, "F3.rounding_bias", "float16"),
     "a truncating bfloat16 encoder (LayerNorm)": (bb.TruncatesHalf, "F2.rounding_bias",
                                                   "bfloat16"),
+    "a mean that overflows, its inf scrubbed to 0 (finite garbage near the float32 max)": (
+        bb.MeanOverflowsScrubbed, "F1/F2.constant_near_max", "float32"),
     # issue #15, where real kernels break
     "a fast path from 256 rows on that drops dgamma's partial block": (
         bb.FastPathFrom256, "F2/F3.row_counts", "float32"),

@@ -93,21 +93,6 @@ def _ln_one_pass_variance():
           sv.ln_one_pass_variance(x, (2,), eps=0.25, compute_dtype=np.float64))
 
 
-def _ln_mean_as_sum_over_d():
-    # eight copies of 2^125 sum to 2^128, beyond float32's largest: mean inf, NaN; their
-    # mean and variance (2^125, 0) are finite, and the oracle gives beta (as does the
-    # float64 sum, exact for multiples of 2^125)
-    x, b = np.full(8, 2.0**125), np.arange(8.0)
-    assert np.all(np.isnan(sv.ln_mean_as_sum_over_d(x, (8,), None, b)))
-    close(b, s.layer_norm(x, (8,), None, b))
-    close(b, sv.ln_mean_as_sum_over_d(x, (8,), None, b, compute_dtype=np.float64))
-    # [2^24, 1, 1]: 2^24 + 1 rounds to 2^24 (a tie, to even) twice: mean 2^24 / 3, rounded
-    x3 = np.array([2.0**24, 1.0, 1.0])
-    mu = float(np.float32(2.0**24 / 3))
-    var = np.mean((x3 - mu) ** 2)
-    close((x3 - mu) / np.sqrt(var + 1e-5), sv.ln_mean_as_sum_over_d(x3, (3,)), rtol=1e-9)
-
-
 def _ln_eps_outside_sqrt():
     x = np.array([1.0, 3.0])  # mu 2, var 1
     close([-0.5, 0.5], sv.ln_eps_outside_sqrt(x, (2,), eps=1.0))  # / (1 + 1)

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..cases import ArraySpec, Literal
 from ..ops import BatchNormDriver, layer_norm_case, rms_norm_case
+from ..tolerances import constant_row_bound
 from . import check
 
 OPS = {"layer_norm": layer_norm_case, "rms_norm": rms_norm_case}
@@ -59,8 +60,22 @@ def degenerate(ctx):
           weight=w, bias=b, eps=1e-5)
 
 
-#: The constant row of pytorch #173793 (Inductor's LayerNorm gave NaN, eager did not).
+#: pytorch #173793's constant row: d c and c^2 overflow float32.
 ROW_OF_173793 = 8.5e37
+#: Constant values near the top of float32's range: 1e30 (c^2 overflows, d c does not)
+#: and #173793's; the dtype's largest value is added.
+NEAR_MAX = (1e30, ROW_OF_173793)
+#: Row lengths: short and BERT's; #173793's row also longer than a Triton block (16384).
+NEAR_MAX_LENGTHS = (8, 768)
+LONG_NEAR_MAX_ROW = 16385
+
+
+def _beta_within_gamma(ctx, *, expected, actual, gamma, beta, n, quantity, call):
+    """The constant-row bound (tolerances TABLE["constant_row"]): beta to within |gamma|."""
+    scale = np.max(np.abs(gamma) + np.abs(beta), axis=-1, keepdims=True)
+    ctx.conforms(expected=expected, actual=actual, scale=scale,
+                 bound=constant_row_bound(ctx.dtype, n, gamma, scale), quantity=quantity,
+                 call=call)
 
 
 @check("F1/F2.constant_near_max", title="Constant rows (LayerNorm) and channels (BatchNorm) "
@@ -68,42 +83,56 @@ ROW_OF_173793 = 8.5e37
        "output is beta; a sum of x or of x^2 overflows to inf and gives NaN",
        ops=("layer_norm", "batch_norm"), dtypes=("float32", "bfloat16"))
 def constant_near_max(ctx):
-    """Bug class 9 (pytorch #173793, #178084): d copies of c add up beyond the largest
-    float32 for |c| > max / d, and c^2 for |c| > 1.8e19, while every statistic the
-    formula names is still finite (mean c, variance 0): a kernel that divides the sum by
-    d, or takes the variance from x^2, gets inf, then inf - inf or 0 * inf. A scaled,
-    shifted or running (Welford) mean with a centred variance, or float64 sums, stay
-    exact. BatchNorm's channels are the same sums over the batch (16 samples here),
-    and its running statistics stay finite too (momentum c, unbiased variance 0). The
-    derived bound is huge here (one ulp of the mean, 1e31 at 8.5e37, times 1/sqrt(eps)
-    is what the mean's rounding may cost a correct kernel), so what fails is what the
-    bug gives: NaN or inf. Gradients are checked too where the backend returns them.
-    Only float32 and bfloat16 reach such values: float16's largest, 65504, times any
-    row length stays far inside float32; float64 values near 1.8e308 would overflow the
-    oracle's own float64 sums. RMSNorm is left out: its statistic, mean(x^2) = c^2, is
-    beyond float32 itself for |c| > 1.8e19, so no float32-compute kernel can hold it."""
-    top = spec.largest_finite(ctx.dtype)
+    """Bug class 9 (pytorch #173793, #178084): c^2 overflows float32 for |c| > 1.8e19 and
+    d copies of c add up beyond it for |c| > max / d, while every statistic the formula
+    names is still finite (mean c, variance 0): a kernel that takes the variance from
+    x^2, or divides the sum by d, gets inf, then inf - inf or 0 * inf. A centred
+    variance from a mean whose sum cannot overflow (scaled, shifted, running, or in
+    float64) gives beta: whatever the mean's rounding delta, every centred value is
+    delta, so x_hat is within [-1, 1] or 0 (var = delta^2 overflows), and the output is
+    compared with the oracle's beta to within |gamma| (TABLE["constant_row"]; gamma ~ 1
+    and beta ~ 4, so 0 or NaN fails). The layer_norm_case / BatchNormDriver comparisons
+    run first, with the ordinary bound, whose kappa is huge here (one ulp of the mean is
+    1e31 at 8.5e37): on the gradients, which a rounded mean legitimately changes (dx is
+    0 where var overflows), they hold the backend to finite values only. BatchNorm's
+    channels are the same sums over the batch (16 samples). Only float32 and bfloat16
+    reach such values: float16's largest, 65504, squared or times any row length stays
+    far inside float32; float64 values near 1.8e308 would overflow the oracle's own sums.
+    RMSNorm is left out: its statistic, mean(x^2) = c^2, is not representable in float32,
+    so the spec's answer is not demanded of a float32-compute kernel."""
     caps = ctx.backend.capabilities
-    for c in (ROW_OF_173793, -top):
+    for c in NEAR_MAX + (-spec.largest_finite(ctx.dtype),):
         if "layer_norm" in caps.ops:
-            for d in (8, 768):
+            for d in NEAR_MAX_LENGTHS + ((LONG_NEAR_MAX_ROW,) if c == ROW_OF_173793 else ()):
                 with ctx.case(f"layer_norm: rows of {c:g}, d = {d}", op="layer_norm"):
                     ctx.require("layer_norm")
                     grad = ArraySpec((2, d), ctx.seed + 2, 0.0, 1.0) \
                         if "layer_norm" in caps.gradients else None
-                    layer_norm_case(ctx, x=Literal.of(np.full((2, d), c)),
-                                    normalized_shape=(d,),
-                                    weight=ArraySpec((d,), ctx.seed, 1.0, 0.5),
-                                    bias=ArraySpec((d,), ctx.seed + 1, 0.0, 0.5), eps=1e-5,
-                                    grad=grad)
+                    x, w, b = (Literal.of(np.full((2, d), c)), ArraySpec((d,), ctx.seed, 1.0, 0.25),
+                               ArraySpec((d,), ctx.seed + 1, 4.0, 0.5))
+                    res = layer_norm_case(ctx, x=x, normalized_shape=(d,), weight=w, bias=b,
+                                          eps=1e-5, grad=grad)
+                    gamma, beta = (a.build(ctx.dtype).astype(np.float64) for a in (w, b))
+                    expected = spec.layer_norm(x.build(ctx.dtype).astype(np.float64), (d,),
+                                               gamma, beta, 1e-5)
+                    _beta_within_gamma(ctx, expected=expected, actual=res.output, gamma=gamma,
+                                       beta=beta, n=d, quantity="layer_norm.output",
+                                       call=f"backend.layer_norm(x, ({d},), weight, bias, 1e-05)")
         if "batch_norm" in caps.ops:
             with ctx.case(f"batch_norm: channels of {c:g}, 16 samples, train", op="batch_norm"):
                 ctx.require("batch_norm")
                 grad = ArraySpec((16, 3), ctx.seed + 2, 0.0, 1.0) \
                     if "batch_norm" in caps.gradients else None
-                driver = BatchNormDriver(ctx, 3, weight=ArraySpec((3,), ctx.seed, 1.0, 0.5),
-                                         bias=ArraySpec((3,), ctx.seed + 1, 0.0, 0.5))
-                driver.step("x", Literal.of(np.full((16, 3), c)), mode="train", grad=grad)
+                driver = BatchNormDriver(ctx, 3, weight=ArraySpec((3,), ctx.seed, 1.0, 0.25),
+                                         bias=ArraySpec((3,), ctx.seed + 1, 4.0, 0.5))
+                x = Literal.of(np.full((16, 3), c))
+                out = driver.step("x", x, mode="train", grad=grad)
+                expected = spec.batch_norm_train(x.build(ctx.dtype).astype(np.float64), None,
+                                                 None, driver.w64, driver.b64, eps=driver.e)[0]
+                _beta_within_gamma(ctx, expected=expected.T, actual=np.asarray(out).T,
+                                   gamma=driver.w64[:, None], beta=driver.b64[:, None], n=16,
+                                   quantity="batch_norm.train.output",
+                                   call="layer.forward(x)")
 
 
 @check("F2/F3.non_contiguous", title="A non-contiguous input (transposed in memory) gives the "

@@ -22,8 +22,9 @@ def _trailing_axes(x, shape):
 
 
 def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-5,
-                    grad=None) -> None:
-    """F2 forward (and VJP when `grad` is given) of the backend against the oracle."""
+                    grad=None):
+    """F2 forward (and VJP when `grad` is given) of the backend against the oracle;
+    returns the backend's Result, for a check that asks more of it."""
     xa, w, b, g = ctx.use(x=x, weight=weight, bias=bias, grad=grad)
     shape = tuple(normalized_shape)
     code = f"result = backend.layer_norm(x, {shape!r}, weight, bias, {eps!r}" + \
@@ -49,7 +50,7 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
                  variants=Alternatives("layer_norm", lambda fn: fn(x64, shape, w64, b64, e),
                                        length=d, statistics=(x64, axes, w64, b64, e)))
     if g is None:
-        return
+        return res
     g64 = f64(g)
     gx, gw, gb = spec.layer_norm_vjp(x64, shape, g64, w64, b64, e)
 
@@ -67,6 +68,7 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
                  call=code, variants=vjp(0))
     compare_param_grads(ctx, code, "layer_norm", g64, x_hat, tuple(range(axes[0])), gw, gb, res,
                         kappa, variants=vjp)
+    return res
 
 
 def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None) -> None:
