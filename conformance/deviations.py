@@ -4,13 +4,15 @@ the entry's reason, and the entries no record needed any more (stale).
 An entry names any of `check` (an id, an id prefix, or a claim id), `op`, `dtype` and
 `quantity` (a stable quantity id or its dotted prefix: "batch_norm" covers every
 BatchNorm quantity, "batch_norm.eval" the eval-mode ones, "batch_norm.eval.output" one);
-everything it names must match, and nothing is matched on message text. A deviation
+everything it names must match, and nothing is matched on message text. `except_check`
+(the same forms as `check`) leaves out records its reason does not explain, so that a
+broad entry cannot turn another cause's failure into a deviation. A deviation
 that a declared convention explains needs no entry: the convention turns exactly the
 records it explains into deviations (see impls/protocol.py, Conventions)."""
 
 from __future__ import annotations
 
-KEYS = ("check", "op", "dtype", "quantity", "reason")
+KEYS = ("check", "except_check", "op", "dtype", "quantity", "reason")
 
 
 def problems(entry: dict) -> list[str]:
@@ -25,10 +27,14 @@ def _prefix(value: str, target: str) -> bool:
     return value == target or value.startswith(target + ".")
 
 
+def _check_is(rec: dict, target: str) -> bool:
+    return _prefix(rec["check"], target) or rec["claim"] == target
+
+
 def applies(entry: dict, rec: dict) -> bool:
     """The entry's check, op and dtype select this record (its quantity aside)."""
-    target = entry.get("check")
-    if target and not (_prefix(rec["check"], target) or rec["claim"] == target):
+    target, excepted = entry.get("check"), entry.get("except_check")
+    if (target and not _check_is(rec, target)) or (excepted and _check_is(rec, excepted)):
         return False
     return entry.get("dtype") in (None, rec["dtype"]) and entry.get("op") in (None, rec["op"])
 

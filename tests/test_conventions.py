@@ -80,6 +80,14 @@ def test_deviation_entries_match_stable_quantity_ids():
     partial = {"quantity": "batch_norm.run", "reason": "no"}
     assert {r.status for r in statuses(bb.BiasedRunningVar(), "F4.running_stats",
                                        deviations=[partial])} == {"fail"}
+    # except_check leaves a check out, by id, id prefix or claim
+    for excepted in ("F4.running_stats", "F4"):
+        narrowed = dict(prefix, except_check=excepted)
+        assert {r.status for r in statuses(bb.BiasedRunningVar(), "F4.running_stats",
+                                           deviations=[narrowed])} == {"fail"}
+    elsewhere = dict(prefix, except_check="F1/F2.constant_near_max")
+    assert {r.status for r in statuses(bb.BiasedRunningVar(), "F4.running_stats",
+                                       deviations=[elsewhere])} == {"deviation"}
 
 
 class Documented(NumpyBackend):

@@ -108,7 +108,7 @@ def constant_near_max(ctx):
                     ctx.require("layer_norm")
                     grad = ArraySpec((2, d), ctx.seed + 2, 0.0, 1.0) \
                         if "layer_norm" in caps.gradients else None
-                    x, w, b = (Literal.of(np.full((2, d), c)), ArraySpec((d,), ctx.seed, 1.0, 0.25),
+                    x, w, b = (ArraySpec((2, d), ctx.seed, c, 0.0), ArraySpec((d,), ctx.seed, 1.0, 0.25),
                                ArraySpec((d,), ctx.seed + 1, 4.0, 0.5))
                     res = layer_norm_case(ctx, x=x, normalized_shape=(d,), weight=w, bias=b,
                                           eps=1e-5, grad=grad)
@@ -125,7 +125,7 @@ def constant_near_max(ctx):
                     if "batch_norm" in caps.gradients else None
                 driver = BatchNormDriver(ctx, 3, weight=ArraySpec((3,), ctx.seed, 1.0, 0.25),
                                          bias=ArraySpec((3,), ctx.seed + 1, 4.0, 0.5))
-                x = Literal.of(np.full((16, 3), c))
+                x = ArraySpec((16, 3), ctx.seed, c, 0.0)  # spread 0: every value c
                 out = driver.step("x", x, mode="train", grad=grad)
                 expected = spec.batch_norm_train(x.build(ctx.dtype).astype(np.float64), None,
                                                  None, driver.w64, driver.b64, eps=driver.e)[0]
