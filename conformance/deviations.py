@@ -18,6 +18,8 @@ KEYS = ("check", "except_check", "op", "dtype", "quantity", "reason")
 def problems(entry: dict) -> list[str]:
     """What is wrong with an entry (unknown keys, no reason), for the registry."""
     out = [f"unknown key {k!r} (known: {', '.join(KEYS)})" for k in entry if k not in KEYS]
+    out += [f"{k} must be one string (an id, id prefix or claim id), got {entry[k]!r}"
+            for k in ("check", "except_check") if k in entry and not isinstance(entry[k], str)]
     if not str(entry.get("reason", "")).strip():
         out.append("no reason")
     return out
@@ -32,7 +34,8 @@ def _check_is(rec: dict, target: str) -> bool:
 
 
 def applies(entry: dict, rec: dict) -> bool:
-    """The entry's check, op and dtype select this record (its quantity aside)."""
+    """The entry's check (less its except_check), op and dtype select this record (its
+    quantity aside)."""
     target, excepted = entry.get("check"), entry.get("except_check")
     if (target and not _check_is(rec, target)) or (excepted and _check_is(rec, excepted)):
         return False

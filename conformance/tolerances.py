@@ -94,13 +94,15 @@ TABLE: dict[str, Tolerance] = {t.quantity: t for t in (
               "g_r. Autograd holds the norm's part in T before adding g_r, one more rounding "
               "in T: base 2. Scale: the norm VJP's scale plus the row's largest |g_r|."),
     Tolerance("constant_row", 1.0, 2.0,
-              "LayerNorm and BatchNorm outputs on a constant row or channel (every x = c): "
-              "every centred value is the same rounding delta of the mean, so the variance "
-              "is delta^2 to within the growth below (or overflows) and x_hat = delta / "
-              "sqrt(var + eps) lies within 1 + 2 (log2 n + 1) u_c of [-1, 1] (0 where var "
-              "overflows), whatever delta: y is beta to within |gamma| that much, which is "
-              "allowed per element on top of the base ULP at the row's scale |gamma| + |beta|. "
-              "The oracle gives beta; a NaN, inf, or 0 where |beta| > |gamma| fails."),
+              "LayerNorm and BatchNorm outputs on a constant row or channel (every x = c), "
+              "computed as the spec writes them, x - mean first: every centred value is the "
+              "same rounding delta of the mean, so the variance is delta^2 to within the "
+              "growth below (or overflows, and x_hat is 0), and |x_hat| = |delta| / "
+              "sqrt(var + eps) <= 1 + 2 (log2 n + 1) u_c whatever delta: y is beta to within "
+              "|gamma| that much, allowed per element on top of the base ULP at the row's "
+              "scale |gamma| + |beta|. The oracle gives beta; NaN, inf, or 0 where |beta| > "
+              "|gamma| fails, and so does a kernel that folds the affine step into x a + "
+              "(beta - mean a), a = gamma r, whose x a and mean a swallow beta here."),
     Tolerance("invariance", 2.0, 4.0,
               "Backend against itself on two inputs (B1/B2): both sides carry the output "
               "bound, so base and growth double."),

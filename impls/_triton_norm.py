@@ -44,8 +44,8 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
     The mean is the sum of x * mean_scale (2^-k, 2^k >= N) over N * mean_scale: with
     2^k >= N the sum cannot overflow (a constant row of 8.5e37 gives beta, not NaN:
     pytorch #173793), and scaling by a power of two is exact above the subnormal range,
-    so it has the same bits as sum / N there (rows of |x| below ~2^k * 1e-38 lose low
-    bits)."""
+    so it has the same bits as sum / N there (rows of |x| below ~2^k times the smallest
+    normal of the accumulation type, 1.2e-38 in float32, lose low bits)."""
     acc_t = tl.float64 if ACC64 else tl.float32
     if ONE_BLOCK:
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,7 +58,7 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
         x = tl.load(X + r64 * stride_xm + (cols * stride_xn)[None, :], mask=mask,
                     other=0.0).to(acc_t)
         if CENTRE:
-            mean = tl.sum(x * mean_scale, axis=1) / (N.to(acc_t) * mean_scale)
+            mean = tl.sum(x * mean_scale, axis=1) / (tl.cast(N, acc_t) * mean_scale)
             xc = tl.where(mask, x - mean[:, None], 0.0)
         else:
             mean = 0.0
@@ -84,7 +84,7 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
                 cols = off + tl.arange(0, BLOCK_N)
                 total += tl.load(X + cols * stride_xn, mask=cols < N,
                                  other=0.0).to(acc_t) * mean_scale
-            mean = tl.sum(total, axis=0) / (N.to(acc_t) * mean_scale)
+            mean = tl.sum(total, axis=0) / (tl.cast(N, acc_t) * mean_scale)
         sq = tl.zeros([BLOCK_N], dtype=acc_t)
         for off in range(0, N, BLOCK_N):
             cols = off + tl.arange(0, BLOCK_N)
@@ -260,7 +260,7 @@ def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps,
         x = tl.load(X + (n_i * stride_xn + l_i * stride_xl)[None, :], mask=mask,
                     other=0.0).to(acc_t)
         if USE_BATCH:
-            mean = tl.sum(x * mean_scale, axis=1) / (m.to(acc_t) * mean_scale)
+            mean = tl.sum(x * mean_scale, axis=1) / (tl.cast(m, acc_t) * mean_scale)
             xc = tl.where(mask, x - mean[:, None], 0.0)
             var = tl.sum(xc * xc, axis=1) / m
             tl.store(Mean + chans, mean, mask=c_ok)
@@ -284,7 +284,7 @@ def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps,
                 sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
                 total += tl.load(X + sample[None, :], mask=mask,
                                  other=0.0).to(acc_t) * mean_scale
-            mean = tl.sum(total, axis=1) / (m.to(acc_t) * mean_scale)
+            mean = tl.sum(total, axis=1) / (tl.cast(m, acc_t) * mean_scale)
             sq = tl.zeros([BLOCK_C, BLOCK_M], dtype=acc_t)
             for off in range(0, m, BLOCK_M):
                 idx = off + tl.arange(0, BLOCK_M)

@@ -104,3 +104,14 @@ def test_an_entry_that_explains_nothing_is_stale(capsys):
     assert entry["stale_deviations"] == [dict(Documented.deviations[0])]
     cli.print_summary(doc)
     assert "stale deviation entry of documented" in capsys.readouterr().out
+
+
+def test_a_malformed_deviation_entry_is_named():
+    from normspec.conformance.deviations import problems
+
+    assert problems({"check": "F2", "reason": "r"}) == []
+    assert problems({"except_check": ["F2"], "reason": "r"}) == [
+        "except_check must be one string (an id, id prefix or claim id), got ['F2']"]
+    assert problems({"checks": "F2"}) == [
+        "unknown key 'checks' (known: check, except_check, op, dtype, quantity, reason)",
+        "no reason"]
