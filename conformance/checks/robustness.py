@@ -90,20 +90,22 @@ def constant_near_max(ctx):
     x^2, or divides the sum by d, gets inf, then inf - inf or 0 * inf. A centred
     variance from a mean whose sum cannot overflow (scaled, shifted, running, or in
     float64) gives beta: whatever the mean's rounding delta, every centred value is
-    delta, so |x_hat| is at most 1 or 0 (var = delta^2 overflows), and the output is
+    delta, so |x_hat| is at most 1 (0 where var = delta^2 overflows), and the output is
     compared with the oracle's beta to within |gamma| (TABLE["constant_row"]; gamma ~ 1
     and beta ~ 4, so 0 or NaN fails; so does a kernel that folds the affine step into
-    x a + (beta - mean a), whose two huge terms swallow beta). The layer_norm_case /
-    BatchNormDriver comparisons run first, with the ordinary bound, whose kappa is huge
-    here (one ulp of the mean is 1e31 at 8.5e37): on the gradients, which a rounded mean
-    legitimately changes (dx is 0 where var overflows), they hold the backend to finite
-    values only. BatchNorm's channels are the same sums over the batch (16 samples); its
-    running statistics are not compared here: a mean one ulp off makes the running
-    variance delta^2, inf in float32, legitimately (other checks compare them). Only float32 and bfloat16
-    reach such values: float16's largest, 65504, squared or times any row length stays
-    far inside float32; float64 values near 1.8e308 would overflow the oracle's own sums.
-    RMSNorm is left out: its statistic, mean(x^2) = c^2, is not representable in float32,
-    so the spec's answer is not demanded of a float32-compute kernel."""
+    x a + (beta - mean a), whose two huge terms swallow beta).
+
+    The layer_norm_case / BatchNormDriver comparisons run first, with the ordinary
+    bound, whose kappa is huge here (one ulp of the mean is 1e31 at 8.5e37): on the
+    gradients, which a rounded mean legitimately changes (dx is 0 where var overflows),
+    they hold the backend to finite values only. BatchNorm's channels are the same sums
+    over the batch (16 samples); its running statistics are not compared here: a mean
+    one ulp off makes the running variance delta^2, inf in float32, legitimately (other
+    checks compare them). Only float32 and bfloat16 reach such values: float16's
+    largest, 65504, squared or times any row length stays far inside float32; float64
+    values near 1.8e308 would overflow the oracle's own sums. RMSNorm is left out: its
+    statistic, mean(x^2) = c^2, is not representable in float32, so the spec's answer
+    is not demanded of a float32-compute kernel."""
     caps = ctx.backend.capabilities
     for c in NEAR_MAX + (-spec.largest_finite(ctx.dtype),):
         if "layer_norm" in caps.ops:
@@ -112,8 +114,9 @@ def constant_near_max(ctx):
                     ctx.require("layer_norm")
                     grad = ArraySpec((2, d), ctx.seed + 2, 0.0, 1.0) \
                         if "layer_norm" in caps.gradients else None
-                    x, w, b = (ArraySpec((2, d), ctx.seed, c, 0.0), ArraySpec((d,), ctx.seed, 1.0, 0.25),
-                               ArraySpec((d,), ctx.seed + 1, 4.0, 0.5))
+                    x = ArraySpec((2, d), ctx.seed, c, 0.0)  # spread 0: every value c
+                    w = ArraySpec((d,), ctx.seed, 1.0, 0.25)
+                    b = ArraySpec((d,), ctx.seed + 1, 4.0, 0.5)
                     res = layer_norm_case(ctx, x=x, normalized_shape=(d,), weight=w, bias=b,
                                           eps=1e-5, grad=grad)
                     gamma, beta = (a.build(ctx.dtype).astype(np.float64) for a in (w, b))
