@@ -44,6 +44,28 @@ class MeanOverflowsScrubbed(MeanOverflows):
                                if v is not None})
 
 
+class BackwardOnePassVariance(NumpyBackend):
+    """A correct forward; the backward recomputes 1/std from E[x^2] - E[x]^2 in the compute
+    dtype (as a fused backward that does not save the forward's statistics may): x^2
+    overflows near the float32 max, and dL/dx is NaN where the output was right."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        res = super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        if grad_output is None:
+            return res
+        ct = compute_dtype(x.dtype)
+        xc, g = x.astype(ct), grad_output.astype(ct)
+        axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+        with np.errstate(over="ignore", invalid="ignore"):
+            mu = xc.mean(axis=axes, keepdims=True)
+            r = 1.0 / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) - mu * mu + ct.type(eps))
+            x_hat = (xc - mu) * r
+            h = g * weight.astype(ct) if weight is not None else g
+            gx = r * (h - h.mean(axis=axes, keepdims=True)
+                      - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
+        return res._replace(grad_input=gx.astype(x.dtype))
+
+
 class EpsOutsideSqrt(NumpyBackend):
     """1 / (sqrt(var) + eps) instead of 1 / sqrt(var + eps)."""
 

@@ -119,6 +119,8 @@ DEFECTS = {
                                                   "bfloat16"),
     "a mean that overflows, its inf scrubbed to 0 (finite garbage near the float32 max)": (
         bb.MeanOverflowsScrubbed, "F1/F2.constant_near_max", "float32"),
+    "a backward that recomputes the variance as E[x^2] - E[x]^2 (dL/dx NaN near the max)": (
+        bb.BackwardOnePassVariance, "F1/F2.constant_near_max", "bfloat16"),
     # issue #15, where real kernels break
     "a fast path from 256 rows on that drops dgamma's partial block": (
         bb.FastPathFrom256, "F2/F3.row_counts", "float32"),
