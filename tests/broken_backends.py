@@ -9,7 +9,7 @@ import time
 
 import normspec.spec as spec
 import numpy as np
-from normspec.impls.numpy_ref import NumpyBackend, NumpyBatchNorm, compute_dtype
+from normspec.impls.numpy_ref import NumpyBackend, NumpyBatchNorm, _mean, compute_dtype
 from normspec.impls.protocol import Conventions, Result
 from oracle_backend import OracleBackend, OracleBatchNorm
 
@@ -26,7 +26,7 @@ class MeanOverflows(NumpyBackend):
     and the constant row's output is NaN (pytorch #173793)."""
 
     def mean(self, v, axes):
-        return v.sum(axis=axes, keepdims=True) / v.dtype.type(np.prod([v.shape[a] for a in axes]))
+        return _mean(v, axes)  # numpy's plain pairwise sum / n
 
 
 class MeanOverflowsScrubbed(MeanOverflows):
@@ -45,25 +45,17 @@ class MeanOverflowsScrubbed(MeanOverflows):
 
 
 class BackwardOnePassVariance(NumpyBackend):
-    """A correct forward; the backward recomputes 1/std from E[x^2] - E[x]^2 in the compute
-    dtype (as a fused backward that does not save the forward's statistics may): x^2
+    """A correct forward; the backward recomputes the statistics with NaiveVariance's
+    E[x^2] - E[x]^2 (as a fused backward that does not save the forward's may): x^2
     overflows near the float32 max, and dL/dx is NaN where the output was right."""
 
     def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
-        res = super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        out = super().layer_norm(x, normalized_shape, weight, bias, eps).output
         if grad_output is None:
-            return res
-        ct = compute_dtype(x.dtype)
-        xc, g = x.astype(ct), grad_output.astype(ct)
-        axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+            return Result(out)
         with np.errstate(over="ignore", invalid="ignore"):
-            mu = xc.mean(axis=axes, keepdims=True)
-            r = 1.0 / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) - mu * mu + ct.type(eps))
-            x_hat = (xc - mu) * r
-            h = g * weight.astype(ct) if weight is not None else g
-            gx = r * (h - h.mean(axis=axes, keepdims=True)
-                      - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
-        return res._replace(grad_input=gx.astype(x.dtype))
+            res = NaiveVariance().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        return res._replace(output=out)
 
 
 class EpsOutsideSqrt(NumpyBackend):
