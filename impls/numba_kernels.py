@@ -9,13 +9,18 @@ of a float32 one; their forward statistics are float32 block sums around the mea
 the row's first 16 elements, added in float64, and summed again in float64 where that
 could lose accuracy (_numba_rows._half_stats). The backward of float32 rows is computed
 in float32 as well, its sums in float64; float64 rows in float64. The kernels live in
-_numba_rows.py (forward), _numba_backward.py, _numba_codec.py, _numba_fused.py and
-_numba_bn.py, compiled as _numba_jit.py says (cached on disk; fast-math that keeps NaN
+_numba_rows.py (forward), _numba_backward.py, _numba_codec.py, _numba_fused.py,
+_numba_bn.py and _numba_stream.py (large float32/float64 outputs written with streaming
+stores), compiled as _numba_jit.py says (cached on disk; fast-math that keeps NaN
 and inf, except the backward, which is strict so that a row's dx has the same bits in
 any batch).
 """
 
 from __future__ import annotations
+
+import functools
+import glob
+import os
 
 import ml_dtypes
 import numpy as np
@@ -103,6 +108,35 @@ def _few_rows(x):
     return x.shape[0] < COLUMN_ROWS
 
 
+@functools.cache
+def last_level_cache_bytes(folder: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The size of this machine's largest CPU cache (the highest level), as Linux lists it
+    in sysfs (read once: the forward asks at every call); 32 MiB where it lists nothing."""
+    sizes = {}
+    for index in glob.glob(os.path.join(folder, "index*")):
+        try:
+            with open(os.path.join(index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(index, "size")) as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes[level] = max(sizes.get(level, 0), int(digits) * unit)
+    return sizes[max(sizes)] if sizes else 32 << 20
+
+
+def stream_rows(y) -> bool:
+    """Whether the float32/float64 forward streams output rows `y` to memory: when y is
+    at least the last-level cache's size (it would not stay in cache anyway) and its rows
+    are narrow enough for their scratch row to (see _numba_stream)."""
+    from ._numba_stream import STREAM_ROW_BYTES
+
+    return y.nbytes >= last_level_cache_bytes() and y.shape[1] * y.itemsize <= STREAM_ROW_BYTES
+
+
 def _chunks(rows):
     """One contiguous chunk of rows per thread (fewer when there are fewer rows)."""
     return max(1, min(rows, numba.get_num_threads()))
@@ -138,11 +172,11 @@ class NumbaBackend(Backend):
         rows = xr.shape[0]
         y, mean, rstd = out if out is not None else (
             np.empty_like(xr), np.zeros(rows), np.empty(rows))
-        n_chunks = _chunks(rows)
+        n_chunks, stream = _chunks(rows), stream_rows(y)
         if op == "layer_norm":
-            self.k["ln_fwd"](xr, w, b, float(eps), y, mean, rstd, n_chunks)
+            self.k["ln_fwd"](xr, w, b, float(eps), y, mean, rstd, n_chunks, stream)
         else:
-            self.k["rms_fwd"](xr, w, float(eps), y, rstd, n_chunks)
+            self.k["rms_fwd"](xr, w, float(eps), y, rstd, n_chunks, stream)
         return y, mean, rstd
 
     def _half_forward(self, op, x16, fmt, params, eps, out=None):

@@ -1,0 +1,110 @@
+"""The streaming stores of the numba float32/float64 forward (_numba_stream): the row
+copy is exact at every alignment and length and touches nothing around it, a streamed
+row has the bits of an unstreamed one, and the backend streams exactly the outputs it
+says it does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from normspec.impls import _numba_rows, numba_kernels  # noqa: E402
+from normspec.impls._numba_stream import LINE, STREAM_ROW_BYTES, X86, stream_row  # noqa: E402
+from numba import njit  # noqa: E402
+
+
+@njit
+def _stream(dst, src):
+    stream_row(dst, src)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16])
+def test_stream_row_copies_exactly_at_every_alignment(dtype):
+    rng = np.random.default_rng(3)
+    item = np.dtype(dtype).itemsize
+    for n in [*range(0, 70), 127, 128, 129, 1000, 4099]:
+        for offset in range(0, LINE // item + 1):
+            buf = np.zeros(n + 2 * (LINE // item) + 2, dtype)
+            src = rng.integers(1, 60000, n).astype(dtype)
+            dst = buf[offset + 1:offset + 1 + n]
+            _stream(dst, src)
+            assert np.array_equal(dst, src), (n, offset)
+            outside = np.concatenate([buf[:offset + 1], buf[offset + 1 + n:]])
+            assert not outside.any(), f"bytes outside the row written (n = {n}, offset = {offset})"
+
+
+def _rows(dtype, d, rows=5):
+    rng = np.random.default_rng(d)
+    x = (rng.standard_normal((rows, d)) * 3 + 1).astype(dtype)
+    x[1, 0] = np.nan
+    if rows > 2 and d > 1:
+        x[2] = np.where(np.arange(d) % 2, 3e37, -3e37).astype(dtype)  # see EXTREME_RSTD
+    w = (1 + rng.standard_normal(d) / 4).astype(dtype)
+    b = rng.standard_normal(d).astype(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_streamed_row_has_the_bits_of_an_unstreamed_one(dtype):
+    for d in [*range(1, 40), 64, 100, 1000, 4097]:
+        x, w, b = _rows(dtype, d)
+        outs = {}
+        for stream in (False, True):
+            y, mean, rstd = np.empty_like(x), np.zeros(len(x)), np.empty(len(x))
+            _numba_rows.ln_fwd(x, w, b, 1e-5, y, mean, rstd, 2, stream)
+            y_rms, rstd_rms = np.empty_like(x), np.empty(len(x))
+            _numba_rows.rms_fwd(x, w, 1e-5, y_rms, rstd_rms, 2, stream)
+            outs[stream] = (y, mean, rstd, y_rms, rstd_rms)
+        for got, expected in zip(outs[True], outs[False], strict=True):
+            assert np.array_equal(got.view(np.uint8), expected.view(np.uint8)), d
+
+
+def test_the_backend_streams_large_outputs_of_narrow_rows_only(monkeypatch):
+    llc = numba_kernels.last_level_cache_bytes()
+    f32 = np.dtype(np.float32)
+    assert numba_kernels.stream_rows(np.empty((llc // (4 * 1024), 1024), f32))
+    assert not numba_kernels.stream_rows(np.empty((llc // (4 * 1024) - 1, 1024), f32))
+    wide = STREAM_ROW_BYTES // 4 + 1
+    assert not numba_kernels.stream_rows(np.empty((llc // (4 * wide) + 1, wide), f32))
+
+    backend = numba_kernels.make_backend()
+    calls = []
+    for name in ("ln_fwd", "rms_fwd"):
+        kernel = backend.k[name]
+
+        def spy(*args, _k=kernel):
+            calls.append(args[-1])
+            return _k(*args)
+        monkeypatch.setitem(backend.k, name, spy)
+    x, w, b = _rows(np.float32, 300, rows=9)
+    plain = backend.layer_norm(x, (300,), w, b, 1e-5).output, backend.rms_norm(x, (300,), w, 1e-5).output
+    monkeypatch.setattr(numba_kernels, "last_level_cache_bytes", lambda: 0)
+    streamed = backend.layer_norm(x, (300,), w, b, 1e-5).output, backend.rms_norm(x, (300,), w, 1e-5).output
+    assert calls == [False, False, True, True]
+    for got, expected in zip(streamed, plain, strict=True):
+        assert np.array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
+def _sysfs(folder, caches):
+    for index, (level, size) in enumerate(caches):
+        (folder / f"index{index}").mkdir(parents=True)
+        (folder / f"index{index}" / "level").write_text(f"{level}\n")
+        (folder / f"index{index}" / "size").write_text(f"{size}\n")
+    return str(folder)
+
+
+def test_last_level_cache_size_from_sysfs(tmp_path):
+    size = numba_kernels.last_level_cache_bytes
+    assert size(_sysfs(tmp_path / "a", [(1, "32K"), (2, "1024K"), (3, "32768K"), (1, "32K")])) \
+        == 32 << 20
+    assert size(_sysfs(tmp_path / "b", [(1, "32K"), (2, "2M"), (3, "garbage")])) == 2 << 20
+    assert size(str(tmp_path / "none")) == 32 << 20
+
+
+@pytest.mark.skipif(not X86, reason="the instruction checked is x86's")
+def test_the_aligned_lines_are_stored_non_temporally():
+    _stream(np.empty(64, np.float32), np.ones(64, np.float32))
+    asm = "\n".join(_stream.inspect_asm().values())
+    assert "movnt" in asm, "LLVM dropped the non-temporal hint: every store is ordinary"
