@@ -5,7 +5,7 @@
 without the mean(h) term and with x_hat = x r for RMSNorm; dgamma = sum g x_hat and
 dbeta = sum g over the rows. Computed in float64 for float64 rows and in float32 for
 float32, float16 and bfloat16 rows (16-bit rows decoded and dx encoded in the kernel),
-the row sums in float64 always.
+the row sums in float64 lanes (fed by short float32 partial sums, see _numba_lanes).
 
 Two layouts: rows in contiguous chunks, one per thread, each chunk keeping partial
 dgamma/dbeta sums (`bwd`); and, for fewer than COLUMN_ROWS rows, the row sums of every
@@ -15,8 +15,8 @@ kernels and all they call are compiled strict (no fast-math flag, so LLVM may no
 reassociate a sum or contract a product into an FMA, either of which it had done in one
 layout's loop and not in the other's, and no two codings of a loop can differ). None of
 it needs fast-math to vectorize: the row sums are LANES partial sums added in a fixed
-order, the rest is elementwise. The per-format functions below are the same code
-compiled once per element format (a function passed to a compiled, not inlined, function
+order (_numba_lanes), the rest is elementwise. The per-format functions below are the
+same code compiled once per element format (a function passed to a compiled, not inlined, function
 would make it uncacheable)."""
 
 import numpy as np
@@ -24,6 +24,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from ._numba_jit import jit_strict, strict, strict_inline
+from ._numba_lanes import LANES, lane_sums
 from ._numba_rows import decode_bf16, decode_f16, encode_bf16, encode_f16
 
 #: Fewer rows than this take bwd_cols: the partial dgamma/dbeta rows of bwd ([chunks, d]
@@ -33,12 +34,17 @@ from ._numba_rows import decode_bf16, decode_f16, encode_bf16, encode_f16
 COLUMN_ROWS = 64
 #: Columns per tile of bwd_cols: its dgamma/dbeta sums stay in L1.
 TILE = 512
-#: Partial sums of a row's sums, each over every LANES-th element of the row.
-LANES = 16
 #: Rows whose dgamma/dbeta terms 16-bit rows sum in float32 before they are added to the
-#: float64 partial sums: 32 roundings of 2^-24 are 2^-19, far below a 16-bit ulp. float32
-#: rows, whose own ulp that would not be below, add theirs to the float64 sums at once.
+#: float64 partial sums: 32 roundings of 2^-24 are 2^-19, far below a 16-bit ulp.
 FLUSH_ROWS = 32
+#: The same for float32 rows, whose own ulp that would not be below: a float32 sum of k
+#: <= 8 terms errs by at most (k - 1) u_32 times their magnitudes, so dgamma/dbeta by at
+#: most 8 float32 ULPs at the scale of the sum of magnitudes with the terms' own
+#: rounding, where the tolerance table ('param_gradient') allows 1 + 4 (log2 n + 1) for
+#: n rows: >= 17 for n >= 8, and a chunk of n < 8 rows has n terms (n <= 1 + 4 (log2 n
+#: + 1)). Adding every term to the float64 sums instead, as float64 rows do, made the
+#: [256, 1000] float32 backward 8% slower (64 against 59 us, one process).
+FLUSH_ROWS_F32 = 8
 
 
 @strict_inline
@@ -74,18 +80,14 @@ def _terms(xr, wr, gr, m, s, j, cv):
 def _row_sums(xr, wr, gr, m, s, lanes, cv):
     """Sums over a row of h and h x_hat (elementwise in the precision `cv` converts to),
     in float64, in LANES partial sums (`lanes`, the caller's scratch, two rows of
-    LANES) added in a fixed order: without reassociation that is the only order there
-    is, wherever this is compiled."""
+    LANES) added in a fixed order: _numba_lanes.lane_sums over the whole steps of LANES
+    elements, then the rest of the row into the first lanes, then the lanes pairwise.
+    Nothing is reassociated, so that is the only order there is, wherever this is
+    compiled."""
     d = xr.shape[0]
     sh, shx = lanes[0], lanes[1]
-    sh[:] = 0.0
-    shx[:] = 0.0
     whole = d - d % LANES
-    for j0 in range(0, whole, LANES):
-        for k in range(LANES):
-            h, t = _terms(xr, wr, gr, m, s, j0 + k, cv)
-            sh[k] += h
-            shx[k] += t
+    lane_sums(xr, wr, gr, m, s, lanes, whole, cv)
     for j in range(whole, d):
         h, t = _terms(xr, wr, gr, m, s, j, cv)
         sh[j - whole] += h
@@ -116,12 +118,13 @@ def _span(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr, cv, enc):
 
 @strict_inline
 def _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, cv, enc, ct,
-           direct):
+           flush_rows):
     """Rows r0..r1: each row's sums from one pass, then dx and the dgamma/dbeta terms
     from a second over the row in cache; the terms added to the chunk's float64 sums
-    dwc, dbc `direct`ly, or first in float32 over FLUSH_ROWS rows (dw32, db32)."""
+    dwc, dbc directly (flush_rows 0), or first in float32 over `flush_rows` rows (dw32,
+    db32)."""
     lanes = np.empty((2, LANES))
-    if direct:
+    if flush_rows == 0:
         for r in range(r0, r1):
             m, s, mh, mhx = _means(x[r], w, g[r], mean[r], rstd[r], centre, lanes, cv, ct)
             _span(x[r], g[r], w, m, s, mh, mhx, dx[r], dwc, dbc, cv, enc)
@@ -131,7 +134,7 @@ def _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, cv, en
     for r in range(r0, r1):
         m, s, mh, mhx = _means(x[r], w, g[r], mean[r], rstd[r], centre, lanes, cv, ct)
         _span(x[r], g[r], w, m, s, mh, mhx, dx[r], dw32, db32, cv, enc)
-        if (r - r0) % FLUSH_ROWS == FLUSH_ROWS - 1 or r == r1 - 1:
+        if (r - r0) % flush_rows == flush_rows - 1 or r == r1 - 1:
             for j in range(dwc.shape[0]):
                 dwc[j] += np.float64(dw32[j])
                 dbc[j] += np.float64(db32[j])
@@ -143,25 +146,25 @@ def _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, cv, en
 @strict
 def chunk_f64(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
     _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, to_f64, to_f64,
-           np.float64, True)
+           np.float64, 0)
 
 
 @strict
 def chunk_f32(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
     _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, as_f32, as_f32,
-           np.float32, True)
+           np.float32, FLUSH_ROWS_F32)
 
 
 @strict
 def chunk_f16(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
     _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, decode_f16,
-           encode_f16, np.float32, False)
+           encode_f16, np.float32, FLUSH_ROWS)
 
 
 @strict
 def chunk_bf16(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre):
     _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, decode_bf16,
-           encode_bf16, np.float32, False)
+           encode_bf16, np.float32, FLUSH_ROWS)
 
 
 @strict

@@ -37,6 +37,37 @@ def _host_has_f16c() -> bool:
 F16C = _host_has_f16c()
 
 
+def _like(ty, scalar):
+    """`scalar` (an LLVM scalar type) shaped as `ty`: itself, or a vector of as many."""
+    return ir.VectorType(scalar, ty.count) if isinstance(ty, ir.VectorType) else scalar
+
+
+def _k(ty, v):
+    """The constant v of type `ty`, every lane of it when `ty` is a vector."""
+    return ir.Constant(ty, [v] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, v)
+
+
+def decode_f16_ir(b, h):
+    """float16 bits (i16, or a vector of them) -> float32 (of the same shape), the IR of
+    decode_f16, which vector kernels call as well (_numba_lanes)."""
+    i32, f32 = _like(h.type, I32), _like(h.type, F32)
+    if F16C:
+        return b.fpext(b.bitcast(h, _like(h.type, F16)), f32)
+    h32 = b.zext(h, i32)
+    sign = b.shl(b.and_(h32, _k(i32, 0x8000)), _k(i32, 16))
+    mag = b.shl(b.and_(h32, _k(i32, 0x7FFF)), _k(i32, 13))
+    scaled = b.bitcast(b.fmul(b.bitcast(mag, f32), _k(f32, 2.0**112)), i32)
+    special = b.or_(mag, _k(i32, 0x7F800000))
+    out = b.select(b.icmp_unsigned(">=", mag, _k(i32, 0x0F800000)), special, scaled)
+    return b.bitcast(b.or_(sign, out), f32)
+
+
+def decode_bf16_ir(b, h):
+    """bfloat16 bits (i16, or a vector of them) -> float32, the IR of decode_bf16."""
+    i32 = _like(h.type, I32)
+    return b.bitcast(b.shl(b.zext(h, i32), _k(i32, 16)), _like(h.type, F32))
+
+
 def _c(v):
     return ir.Constant(I32, v)
 
@@ -50,15 +81,7 @@ def decode_f16(typingctx, h):
         return None
 
     def codegen(context, b, sig, args):
-        if F16C:
-            return b.fpext(b.bitcast(args[0], F16), F32)
-        h32 = b.zext(args[0], I32)
-        sign = b.shl(b.and_(h32, _c(0x8000)), _c(16))
-        mag = b.shl(b.and_(h32, _c(0x7FFF)), _c(13))
-        scaled = b.bitcast(b.fmul(b.bitcast(mag, F32), ir.Constant(F32, 2.0**112)), I32)
-        special = b.or_(mag, _c(0x7F800000))
-        out = b.select(b.icmp_unsigned(">=", mag, _c(0x0F800000)), special, scaled)
-        return b.bitcast(b.or_(sign, out), F32)
+        return decode_f16_ir(b, args[0])
     return types.float32(types.uint16), codegen
 
 
@@ -69,7 +92,7 @@ def decode_bf16(typingctx, h):
         return None
 
     def codegen(context, b, sig, args):
-        return b.bitcast(b.shl(b.zext(args[0], I32), _c(16)), F32)
+        return decode_bf16_ir(b, args[0])
     return types.float32(types.uint16), codegen
 
 
