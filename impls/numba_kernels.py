@@ -191,8 +191,8 @@ class NumbaBackend(Backend):
     def _backward(self, op, xr, w, g, mean, rstd, fmt=None, out=None):
         """dx, dgamma, dbeta of rows `xr` (16-bit rows as their patterns, fmt 0 float16,
         1 bfloat16; fmt None otherwise), computed as _numba_backward says; `out` as
-        _bwd_out makes it. Few rows take bwd_cols, which writes the final dgamma/dbeta
-        into the first of the partial rows (see _numba_backward.COLUMN_ROWS)."""
+        _bwd_out makes it. Both kernels leave the final float64 dgamma/dbeta in the first
+        of the partial rows (few rows take bwd_cols, see _numba_backward.COLUMN_ROWS)."""
         n_chunks = _chunks(xr.shape[0])
         dx, dw_part, db_part, dw32, db32 = out if out is not None else _bwd_out(xr)
         centre, fmt = op == "layer_norm", -1 if fmt is None else fmt
@@ -201,12 +201,10 @@ class NumbaBackend(Backend):
                              else np.float32)
             self.k["bwd_cols"](xr, w, g, mean, rstd, dx, dw_part[0], db_part[0], means, fmt,
                                centre)
-            return dx, dw_part[0], db_part[0]
-        dw_part[...] = 0.0
-        db_part[...] = 0.0
-        self.k["bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks, fmt,
-                      centre)
-        return dx, dw_part.sum(axis=0), db_part.sum(axis=0)
+        else:
+            self.k["bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks,
+                          fmt, centre)
+        return dx, dw_part[0], db_part[0]
 
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):
         ct, d = compute_dtype(x.dtype), int(np.prod(normalized_shape))
