@@ -211,8 +211,9 @@ def _stream_path(json_path: Path) -> Path:
 
 
 class _Signals:
-    """SIGINT and SIGTERM stop the run once (raising runner.Stopped in the main thread);
-    later ones are ignored while the partial results are written."""
+    """SIGINT and SIGTERM stop the run once (runner.request_stop raises runner.Stopped in
+    the main thread, where it is safe to); later ones are ignored while the partial
+    results are written."""
 
     def __init__(self):
         self.fired = False
@@ -222,7 +223,7 @@ class _Signals:
         if self.fired:
             return
         self.fired = True
-        raise runner.Stopped(signal.Signals(signum).name)
+        runner.request_stop(signal.Signals(signum).name)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +152,9 @@ class Worker:
         self.error: str | None = None
         #: the backend's compile seconds in the last unit executed (None: not known)
         self.last_compile_s: float | None = None
+        #: kill() runs in two threads at once when a run is stopped (the stopping main
+        #: thread, and the slot thread that was driving this worker)
+        self._kill_lock = threading.Lock()
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -216,18 +220,26 @@ class Worker:
         return _signal_name(self.proc.exitcode)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5.0)
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+        """Kill the child and close the pipe, once, from any thread: the pipe is taken
+        under a lock before it is closed. (Two threads closing one Connection both
+        passed its `is not None` test, and the second closed a file descriptor already
+        closed: EBADF, which ended a stopped run with a traceback and exit code 1
+        instead of its partial results, 2 runs in 12 on this loaded 2-core machine; it
+        could as well have closed a descriptor reused meanwhile.)"""
+        with self._kill_lock:
+            proc, conn, self.conn = self.proc, self.conn, None
+            if proc is not None and proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+            if conn is not None:
+                conn.close()
 
     def stop(self) -> None:
         """Ask the child to finish; kill it if it does not."""
-        if self.conn is not None and self.alive:
+        conn = self.conn
+        if conn is not None and self.alive:
             try:
-                self.conn.send(("stop",))
+                conn.send(("stop",))
             except (OSError, ValueError):
                 pass
             self.proc.join(5.0)
@@ -282,6 +294,8 @@ class Worker:
         base = dict(backend=name, check=check_id, claim=check_id.split(".")[0], op="-",
                     dtype=dtype, seed=seed)
         t0 = time.perf_counter()
+        if stopping is not None and stopping.is_set():
+            return records  # (a process the stop killed is not started again)
         if not self.alive and not self.restart(timeout):
             keep(Record(**base, case="restart", status="error",
                         message=f"the backend could not be started again: {self.error}").to_json())

@@ -126,7 +126,7 @@ def test_a_signalled_run_keeps_its_records_and_reports_them_incomplete(tmp_path,
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert time.monotonic() - t0 < 15, "stopping took too long"
-    assert proc.returncode == 128 + sig.value
+    assert proc.returncode == 128 + sig.value, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"stopped by {sig.name}" in lines[0], err
     assert "partial results: results/" in lines[0]
@@ -141,6 +141,71 @@ def test_a_signalled_run_keeps_its_records_and_reports_them_incomplete(tmp_path,
     rep = normspec(tmp_path, "report", "-o", "again.html")
     assert rep.returncode == 0 and "1 incomplete run(s)" in rep.stdout, rep.stderr
     assert "incomplete run" in (tmp_path / "again.html").read_text(encoding="utf-8")
+
+
+def test_a_worker_killed_from_two_threads_at_once_closes_its_pipe_once():
+    """A stop kills each backend process from the main thread while the thread that drove
+    it stops it too: the pipe must be closed once (a second close of the same descriptor
+    failed with EBADF and ended stopped runs with a traceback, exit code 1)."""
+    import threading
+
+    from normspec.conformance.worker import Worker
+
+    class Pipe:
+        closes = 0
+
+        def close(self):
+            time.sleep(0.2)  # both threads are inside kill() by now
+            Pipe.closes += 1
+            if Pipe.closes > 1:
+                raise OSError(9, "Bad file descriptor")
+
+    worker = Worker("numpy", "test")
+    worker.conn = Pipe()
+    errors = []
+
+    def kill():
+        try:
+            worker.kill()
+        except OSError as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=kill) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (Pipe.closes, errors) == (1, [])
+
+
+def test_a_stop_requested_inside_the_wait_for_the_slots_is_raised_after_it(monkeypatch):
+    """A signal lands between two bytecodes of the main thread, which spends the run in
+    concurrent.futures' wait(), inside `with` statements on Python-level locks: raised
+    there, Stopped left a lock held and the stopped run hung in the pool's shutdown. Here
+    a 'signal' arrives while the wait holds a lock; the lock must be free afterwards and
+    the run stopped by it."""
+    import threading
+
+    from normspec.conformance import runner
+
+    held = threading.Lock()
+    calls = []
+
+    def wait_with_a_signal(*args, **kwargs):
+        held.acquire()  # as concurrent.futures does, outside any try/finally
+        if not calls:
+            runner.request_stop("SIGTERM")  # what the CLI's handler does
+        calls.append(1)
+        held.release()
+        return real_wait(*args, **kwargs)
+    real_wait = runner.wait
+    monkeypatch.setattr(runner, "wait", wait_with_a_signal)
+    doc = runner.run(["nonfinite_backends:Slow"], checks=["F2.values"], dtypes=["float32"],
+                     examples=2)
+    assert not held.locked(), "the stop was raised inside the wait, holding its lock"
+    run = doc["runs"][0]
+    assert (run["stopped_by"], run["complete"], len(calls)) == ("SIGTERM", False, 1)
+    with runner.deferred():  # and nothing is left pending for the next run
+        pass
 
 
 def test_a_killed_run_leaves_a_readable_stream(tmp_path):
