@@ -19,12 +19,14 @@ order (_numba_lanes), the rest is elementwise. The per-format functions below ar
 same code compiled once per element format (a function passed to a compiled, not inlined, function
 would make it uncacheable)."""
 
+import math
+
 import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
 from ._numba_jit import jit_strict, strict, strict_inline
-from ._numba_lanes import LANES, lane_sums
+from ._numba_lanes import BLOCK_STEPS, LANES, lane_sums
 from ._numba_rows import decode_bf16, decode_f16, encode_bf16, encode_f16
 
 #: Fewer rows than this take bwd_cols: the partial dgamma/dbeta rows of bwd ([chunks, d]
@@ -38,12 +40,12 @@ TILE = 512
 #: float64 partial sums: 32 roundings of 2^-24 are 2^-19, far below a 16-bit ulp.
 FLUSH_ROWS = 32
 #: The same for float32 rows, whose own ulp that would not be below: a float32 sum of k
-#: <= 8 terms errs by at most (k - 1) u_32 times their magnitudes, so dgamma/dbeta by at
-#: most 8 float32 ULPs at the scale of the sum of magnitudes with the terms' own
-#: rounding, where the tolerance table ('param_gradient') allows 1 + 4 (log2 n + 1) for
-#: n rows: >= 17 for n >= 8, and a chunk of n < 8 rows has n terms (n <= 1 + 4 (log2 n
-#: + 1)). Adding every term to the float64 sums instead, as float64 rows do, made the
-#: [256, 1000] float32 backward 8% slower (64 against 59 us, one process).
+#: <= 8 terms errs by at most (k - 1) u_32 times their magnitudes, and with the terms'
+#: own roundings (g x_hat: 3) dgamma/dbeta by at most 10 float32 ULPs at the scale of the
+#: sum of magnitudes, where the tolerance table ('param_gradient') allows 1 + 4 (log2 n +
+#: 1) with n = rows x d >= 64 (bwd takes COLUMN_ROWS rows or more): >= 29. Adding every
+#: term to the float64 sums instead, as float64 rows do, made the [256, 1000] float32
+#: backward 8% slower (64 against 59 us, one process).
 FLUSH_ROWS_F32 = 8
 
 
@@ -77,22 +79,32 @@ def _terms(xr, wr, gr, m, s, j, cv):
 
 
 @strict_inline
-def _row_sums(xr, wr, gr, m, s, lanes, cv):
-    """Sums over a row of h and h x_hat (elementwise in the precision `cv` converts to),
-    in float64, in LANES partial sums (`lanes`, the caller's scratch, two rows of
-    LANES) added in a fixed order: _numba_lanes.lane_sums over the whole steps of LANES
-    elements, then the rest of the row into the first lanes, then the lanes pairwise.
-    Nothing is reassociated, so that is the only order there is, wherever this is
-    compiled."""
+def _lane_row_sums(xr, wr, gr, m, s, lanes, cv, block_steps):
     d = xr.shape[0]
     sh, shx = lanes[0], lanes[1]
     whole = d - d % LANES
-    lane_sums(xr, wr, gr, m, s, lanes, whole, cv)
+    lane_sums(xr, wr, gr, m, s, lanes, whole, block_steps, cv)
     for j in range(whole, d):
         h, t = _terms(xr, wr, gr, m, s, j, cv)
         sh[j - whole] += h
         shx[j - whole] += t
     return _fold(sh), _fold(shx)
+
+
+@strict_inline
+def _row_sums(xr, wr, gr, m, s, lanes, cv):
+    """Sums over a row of h and h x_hat (elementwise in the precision `cv` converts to),
+    in LANES float64 partial sums (`lanes`, the caller's scratch, two rows of LANES)
+    added in a fixed order: _numba_lanes.lane_sums over the whole steps of LANES
+    elements, then the rest of the row into the first lanes, then the lanes pairwise.
+    Nothing is reassociated, so that is the only order there is, wherever this is
+    compiled. A row whose sums come out inf or NaN is summed again with every term
+    straight into float64: its short float32 partial sums may have overflowed where the
+    float64 sums do not (and where a term itself is inf or NaN, the answer stays so)."""
+    sh, shx = _lane_row_sums(xr, wr, gr, m, s, lanes, cv, BLOCK_STEPS)
+    if not (math.isfinite(sh) and math.isfinite(shx)):
+        sh, shx = _lane_row_sums(xr, wr, gr, m, s, lanes, cv, 1)
+    return sh, shx
 
 
 @strict_inline
@@ -117,29 +129,70 @@ def _span(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr, cv, enc):
 
 
 @strict_inline
+def _flush(dw32, db32, dwc, dbc):
+    """dwc += dw32 and dbc += db32 in float64, and those float32 sums zeroed, except the
+    ones that are inf or NaN, which stay (nothing added); the number of those. (Written
+    with selects, no branch, so that it vectorizes: a scan for them that stopped at the
+    first made the [256, 1000] float32 backward 30% slower.)"""
+    bad = 0
+    for j in range(dw32.shape[0]):
+        a, b = dw32[j], db32[j]
+        a_ok, b_ok = math.isfinite(a), math.isfinite(b)
+        dwc[j] += np.float64(a) if a_ok else 0.0
+        dbc[j] += np.float64(b) if b_ok else 0.0
+        dw32[j] = np.float32(0.0) if a_ok else a
+        db32[j] = np.float32(0.0) if b_ok else b
+        bad += (not a_ok) + (not b_ok)
+    return bad
+
+
+@strict_inline
+def _redo_columns(x, g, scales, r0, r1, dw32, db32, dwc, dbc, cv):
+    """The dgamma/dbeta terms of rows r0..r1 in the columns whose float32 sums are inf or
+    NaN, each added straight into float64 (`scales`: each row's mean and 1/std in the
+    compute dtype), and those float32 sums zeroed."""
+    for j in range(dw32.shape[0]):
+        w_bad, b_bad = not math.isfinite(dw32[j]), not math.isfinite(db32[j])
+        if not (w_bad or b_bad):
+            continue
+        for q in range(r0, r1):
+            gv = cv(g[q, j])
+            if w_bad:
+                dwc[j] += gv * ((cv(x[q, j]) - scales[q - r0, 0]) * scales[q - r0, 1])
+            if b_bad:
+                dbc[j] += gv
+        dw32[j] = 0.0
+        db32[j] = 0.0
+
+
+@strict_inline
 def _chunk(x, w, g, mean, rstd, dx, dwc, dbc, dw32, db32, r0, r1, centre, cv, enc, ct,
            flush_rows):
     """Rows r0..r1: each row's sums from one pass, then dx and the dgamma/dbeta terms
     from a second over the row in cache; the terms added to the chunk's float64 sums
     dwc, dbc directly (flush_rows 0), or first in float32 over `flush_rows` rows (dw32,
-    db32)."""
+    db32). A column whose float32 sum over a block comes out inf or NaN has that block's
+    terms added again, each straight into float64: they may have overflowed float32
+    where the float64 sum does not (terms near float32's largest, as float32 and bfloat16
+    rows have; found by a review: dL/dbeta inf for three terms of +-2e38)."""
     lanes = np.empty((2, LANES))
     if flush_rows == 0:
         for r in range(r0, r1):
             m, s, mh, mhx = _means(x[r], w, g[r], mean[r], rstd[r], centre, lanes, cv, ct)
             _span(x[r], g[r], w, m, s, mh, mhx, dx[r], dwc, dbc, cv, enc)
         return
+    scales = np.empty((flush_rows, 2), ct)
     dw32[:] = 0.0
     db32[:] = 0.0
+    first = r0
     for r in range(r0, r1):
         m, s, mh, mhx = _means(x[r], w, g[r], mean[r], rstd[r], centre, lanes, cv, ct)
+        scales[r - first, 0], scales[r - first, 1] = m, s
         _span(x[r], g[r], w, m, s, mh, mhx, dx[r], dw32, db32, cv, enc)
-        if (r - r0) % flush_rows == flush_rows - 1 or r == r1 - 1:
-            for j in range(dwc.shape[0]):
-                dwc[j] += np.float64(dw32[j])
-                dbc[j] += np.float64(db32[j])
-            dw32[:] = 0.0
-            db32[:] = 0.0
+        if r - first == flush_rows - 1 or r == r1 - 1:
+            if _flush(dw32, db32, dwc, dbc):
+                _redo_columns(x, g, scales, first, r + 1, dw32, db32, dwc, dbc, cv)
+            first = r + 1
 
 
 # ---------------------------------------------------------------- one per format

@@ -5,14 +5,21 @@ flag, so nothing reassociates them). Written in LLVM IR because Numba can only k
 such lanes in an array, and LLVM then loads, adds and stores every lane at every step:
 in registers the same float64 sums took 23% less time.
 
-Lanes of float32 rows (and of float16/bfloat16 rows, decoded to float32) sum BLOCK_STEPS
-terms in float32 before adding them to their float64 lane: converting every term to
-float64 was what the loop spent its time on. A lane's float32 partial sum of k <=
-BLOCK_STEPS terms errs by at most (k - 1) u_32 times the sum of their magnitudes, at
-most 7 u_32: dx takes mean(h) and mean(h x_hat), whose error reaches dx at the scale r
-max|h| (the 'gradient' row of the tolerance table) at most 7 float32 ULPs that way,
-while the table allows 1 + 4 (log2 d + 1) >= 5 (rows of d <= LANES have one term per
-lane, summed exactly). float64 rows add every term to their float64 lanes."""
+Lanes of float32 rows (and of float16/bfloat16 rows, decoded to float32) sum
+`block_steps` terms in float32 before adding them to their float64 lane: converting every
+term to float64 was what the loop spent its time on. The error this adds: a lane's
+float32 sum of k terms errs by at most (k - 1) u_32 times their magnitudes, with k <=
+min(BLOCK_STEPS, d // LANES): none for rows of d < 2 LANES (one term per lane), at most
+7 u_32 relative to sum |h| and sum |h x_hat| otherwise. That shifts dx_j = r (h_j -
+mean(h) - x_hat_j mean(h x_hat)) by at most 7 u_32 r (mean|h| + |x_hat_j| mean|h x_hat|),
+within the scale the tolerance table measures dL/dx at (conformance/tolerances.py,
+grad_input_scale: r (max|h| + max|x_hat| mean|h x_hat| + mean|h|)), where its
+'gradient' row allows at least 1 + 4 (log2 32 + 1) = 25 float32 ULPs for d >= 32 (more
+for LayerNorm, kappa >= 1; for 16-bit rows the allowance is in their own, larger ULPs).
+A float32 partial sum can overflow where the float64 sums do not (terms near float32's
+largest, as bfloat16 and float32 rows have): the caller sums such a row again with
+block_steps 1, every term straight into float64 (_numba_backward._row_sums). float64 rows
+always add every term to their float64 lanes."""
 
 from llvmlite import ir
 from numba import types
@@ -42,22 +49,43 @@ def _splat(b, t, value):
 
 
 def _format(x, cv):
-    """(element type, compute type, decoder) of rows `x` converted by `cv`."""
+    """(element type, compute type, decoder) of rows `x` converted by `cv`; None for rows
+    this does not know."""
     if x.dtype == types.float64:
         return F64, F64, None
     if x.dtype == types.float32:
         return F32, F32, None
-    name = getattr(getattr(cv, "dispatcher", None), "py_func", None)
-    return I16, F32, _DECODE[name.__name__]
+    py_func = getattr(getattr(cv, "dispatcher", None), "py_func", None)
+    if x.dtype == types.uint16 and getattr(py_func, "__name__", None) in _DECODE:
+        return I16, F32, _DECODE[py_func.__name__]
+    return None
+
+
+def _row(a, dtype=None):
+    return (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+            and (dtype is None or a.dtype == dtype))
 
 
 @intrinsic
-def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, cv):
+def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv):
     """Sums of h and h x_hat over the first `whole` elements (a multiple of LANES) of the
-    row, lane by lane, into lanes[0] and lanes[1] (float64 [2, LANES], C order); x and g
-    as `cv` reads them (decoded for 16-bit rows), computed in m's type as the backward's
-    _terms computes them."""
-    elt, ct, decode = _format(xr, cv)
+    row, lane by lane, into lanes[0] and lanes[1] (float64 [2, LANES], C order, written,
+    not added to); x and g as `cv` reads them (decoded for 16-bit rows), computed in m's
+    type as the backward's _terms computes them; float32 lanes flushed into the float64
+    ones every `block_steps` steps (a constant >= 1). Rows, gamma and lanes must be
+    C-contiguous, of one element type, gamma and m of the compute type: anything else
+    does not type."""
+    fmt = _format(xr, cv)
+    if fmt is None or not (_row(xr) and _row(gr, xr.dtype) and isinstance(lanes, types.Array)
+                           and lanes.ndim == 2 and lanes.layout == "C"
+                           and lanes.dtype == types.float64):
+        return None
+    elt, ct, decode = fmt
+    compute = types.float64 if ct is F64 else types.float32
+    if not (_row(wr, compute) and m == compute and s == compute
+            and isinstance(block_steps, types.IntegerLiteral) and block_steps.literal_value >= 1):
+        return None
+    per_block = block_steps.literal_value  # a constant: a run-time count cost 18% (float16)
 
     def codegen(context, b, sig, args):
         x_a, w_a, g_a, l_a = (context.make_array(sig.args[i])(context, b, args[i])
@@ -89,7 +117,7 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, cv):
             with cgutils.for_range(b, steps) as loop:
                 step(loop.index)
         else:
-            per = ir.Constant(I64, BLOCK_STEPS)
+            per = ir.Constant(I64, per_block)
             blocks = b.udiv(steps, per)
             with cgutils.for_range(b, blocks) as block:
                 with cgutils.for_range(b, per) as loop:
@@ -103,4 +131,4 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, cv):
             p = b.gep(l_a.data, [ir.Constant(I64, row * LANES)])
             b.store(b.load(acc64), b.bitcast(p, _vec(F64).as_pointer()), align=8)
         return context.get_dummy_value()
-    return types.none(xr, wr, gr, m, s, lanes, whole, cv), codegen
+    return types.none(xr, wr, gr, m, s, lanes, whole, block_steps, cv), codegen

@@ -103,8 +103,17 @@ def test_last_level_cache_size_from_sysfs(tmp_path):
     assert size(str(tmp_path / "none")) == 32 << 20
 
 
-@pytest.mark.skipif(not X86, reason="the instruction checked is x86's")
-def test_the_aligned_lines_are_stored_non_temporally():
-    _stream(np.empty(64, np.float32), np.ones(64, np.float32))
-    asm = "\n".join(_stream.inspect_asm().values())
-    assert "movnt" in asm, "LLVM dropped the non-temporal hint: every store is ordinary"
+@pytest.mark.skipif(not X86, reason="the instructions checked are x86's")
+def test_the_forward_kernels_store_non_temporally_and_fence():
+    def fresh(kernel):  # compiled with the kernel's options: Numba cannot show cached code
+        options = {o: v for o, v in kernel.targetoptions.items() if o != "nopython"}
+        return njit(**options)(kernel.py_func)
+    ln_fwd, rms_fwd = fresh(_numba_rows.ln_fwd), fresh(_numba_rows.rms_fwd)
+    x = np.ones((4, 64), np.float32)
+    w = np.ones(64, np.float32)
+    ln_fwd(x, w, w, 1e-5, x.copy(), np.zeros(4), np.zeros(4), 2, True)
+    rms_fwd(x, w, 1e-5, x.copy(), np.zeros(4), 2, True)
+    for kernel in (ln_fwd, rms_fwd):
+        asm = "\n".join(kernel.inspect_asm().values())
+        assert "movnt" in asm, "LLVM dropped the non-temporal hint: every store is ordinary"
+        assert "sfence" in asm, "no store fence after the streamed rows"
