@@ -211,13 +211,13 @@ def _stream_path(json_path: Path) -> Path:
 
 
 class _Signals:
-    """SIGINT and SIGTERM stop the run once (runner.request_stop raises runner.Stopped in
-    the main thread, where it is safe to); later ones are ignored while the partial
-    results are written."""
+    """SIGINT and SIGTERM stop the run once (runner.request_stop: the run stops at its
+    next checkpoint); later ones are ignored while the partial results are written."""
 
     def __init__(self):
         self.fired = False
         self.saved = {}
+        runner.STOPS.pending = ""
 
     def _handler(self, signum, frame):
         if self.fired:
@@ -234,6 +234,7 @@ class _Signals:
     def __exit__(self, *exc):
         for s, h in self.saved.items():
             signal.signal(s, h)
+        runner.STOPS.pending = ""  # one that came after the run's last checkpoint
 
 
 def _refuse(message: str) -> int:
@@ -294,13 +295,13 @@ def cmd_run(args) -> int:
                              progress=(lambda m: print(m, flush=True)) if verbose else None,
                              on_start=on_start, on_record=lambda r: stream[0].record(r),
                              on_done=lambda u: stream[0].done(u), previous=previous)
-        except runner.Stopped as exc:  # stopped while the backends were loading: no work done
-            print(f"normspec run: stopped by {exc.signal_name} before any check ran; "
-                  "nothing was written", file=sys.stderr)
-            return 128 + signal.Signals[exc.signal_name].value
         except runner.BackendNotUsable as exc:
             return _refuse(str(exc))
         info = doc["runs"][0]
+        if not stream:  # stopped while the backends were loading: no check ran
+            print(f"normspec run: stopped by {info['stopped_by']} before any check ran; "
+                  "nothing was written", file=sys.stderr)
+            return 128 + signal.Signals[info["stopped_by"]].value
         stream[0].end(complete=info["complete"], stopped_by=info["stopped_by"],
                       duration_s=info["duration_s"])
         stream[0].close()

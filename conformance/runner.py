@@ -11,7 +11,6 @@ what was done, marked incomplete."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime as _dt
 import os
 import platform
@@ -97,16 +96,18 @@ class Stopped(BaseException):
 
 
 class _StopRequests:
-    """Where a signal's Stopped is raised. A handler runs in the main thread between any
-    two bytecodes; raised inside concurrent.futures' wait() or submit(), which take
-    Python-level locks (each future's condition, the pool's shutdown lock) in `with`
-    statements that had not yet begun, it left them held, and the stopped run then hung
-    for ever in the pool's shutdown (1 stopped run in 16 on this loaded 2-core machine).
-    The main thread marks those calls `deferred()`: a stop requested inside one is
-    raised where it ends."""
+    """A signal's stop, as the main thread sees it. The CLI's handler, which runs in the
+    main thread between any two of its bytecodes, only records it (`request_stop`); the
+    main thread acts on it at a `checkpoint()`, in each loop it waits in: while the
+    backends load, and while the slots run. Raised from the handler itself, Stopped
+    landed inside concurrent.futures' wait(), in a `with` on a future's lock not yet
+    begun, and left the lock held: the stopped run hung in the pool's shutdown (1 stopped
+    run in 16 on this loaded 2-core machine); and after the slots had finished it threw
+    away the finished run's results, or ended in a traceback while they were written
+    (found by a review). A stop that comes after the last checkpoint is not acted on:
+    the run is complete by then, and its results are written as usual."""
 
     def __init__(self):
-        self.depth = 0
         self.pending = ""
 
 
@@ -114,25 +115,14 @@ STOPS = _StopRequests()
 
 
 def request_stop(signal_name: str) -> None:
-    """What a signal handler calls (in the main thread): raise Stopped now, or, inside
-    `deferred()`, where that ends."""
-    if STOPS.depth:
-        STOPS.pending = signal_name
-        return
-    raise Stopped(signal_name)
+    """What a signal handler calls: the run stops at its next checkpoint."""
+    STOPS.pending = STOPS.pending or signal_name
 
 
-@contextlib.contextmanager
-def deferred():
-    """A stretch of the main thread that a Stopped must not interrupt (see _StopRequests)."""
-    STOPS.depth += 1
-    try:
-        yield
-    finally:
-        STOPS.depth -= 1
-    if not STOPS.depth and STOPS.pending:
-        name, STOPS.pending = STOPS.pending, ""
-        raise Stopped(name)
+def checkpoint() -> None:
+    """Raise Stopped here if a stop was requested (main thread only)."""
+    if STOPS.pending:
+        raise Stopped(STOPS.pending)
 
 
 class BackendNotUsable(ValueError):
@@ -211,7 +201,7 @@ class _Run:
             self.workers[w.requested] = w
             w.start()
         for w in workers:
-            w.wait_loaded(self.timeout)
+            w.wait_loaded(self.timeout, interrupt=checkpoint)
             # loads overlap: this is when the backend was ready, counted from the start
             # compile_s / family_compile_s: the part of checks_s / families the backend
             # says it spent compiling (None: it does not say)
@@ -277,10 +267,13 @@ class _Run:
                 continue
             try:
                 if worker is None:
-                    worker = Worker(self.requested[name], self.label)
-                    self.extra.append(worker)
-                    worker.start()
-                    if not worker.wait_loaded(self.timeout) or worker.entry["name"] != name:
+                    with self.lock:  # (stop() closes every worker in `extra`, under it)
+                        if self.stopping.is_set():
+                            return
+                        worker = Worker(self.requested[name], self.label)
+                        self.extra.append(worker)
+                    if (not worker.start() or not worker.wait_loaded(self.timeout)
+                            or worker.entry["name"] != name):
                         # the units stay with the backend's first process
                         with self.lock:
                             self.unshareable.add(name)
@@ -328,9 +321,11 @@ class _Run:
                          f"({time.perf_counter() - t0:.1f}s)")
 
     def stop(self) -> None:
-        self.stopping.set()
-        for w in [*self.workers.values(), *self.extra]:
-            w.kill()
+        with self.lock:
+            self.stopping.set()
+            workers = [*self.workers.values(), *self.extra]
+        for w in workers:
+            w.close()
 
 
 def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
@@ -358,7 +353,6 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     units `not_reached`.
     """
     say = progress or (lambda _msg: None)
-    STOPS.pending = ""  # (one left by an earlier run in this process is not this run's)
     label = label or os.environ.get("TOX_ENV_NAME") or platform.node() or "local"
     selected = select_checks(checks)
     dtypes = check_dtypes(dtypes or DEFAULT_DTYPES)
@@ -380,6 +374,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     units: list[tuple] = []
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="normspec-backend")
     stopped_by = ""
+    load_records: list[tuple] = []
     try:
         workers = state.load(names)
         unusable = [w for w in workers if not w.entry.get("available")]
@@ -401,7 +396,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
                     rec = Record(backend=w.entry["name"], check="load", claim="-", op="-",
                                  dtype="-", case="load", status="error", seed=seed,
                                  message=f"backend {w.requested!r} could not be used: {w.error}")
-                    state._keep((w.requested, "load", "-"), rec.to_json())
+                    load_records.append(((w.requested, "load", "-"), rec.to_json()))
         # the slowest backend first (by the previous run, where known): two cores finish
         # sooner when the long job does not start last
         usable = sorted((w for w in workers if w not in unusable),
@@ -409,20 +404,23 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
         units = shard_units(plan([w.entry["name"] for w in usable], selected, dtypes), shard)
         if on_start is not None:
             on_start(doc, units)
+        for unit, rec in load_records:  # (after on_start: the caller's stream exists now)
+            state._keep(unit, rec)
         if on_done is not None:
             state.on_done = on_done
-        with deferred():
-            state.queue(usable, units)
-            futures = [pool.submit(state.slot) for _ in range(max(1, jobs))]
+        checkpoint()
+        state.queue(usable, units)
+        futures = [pool.submit(state.slot) for _ in range(max(1, jobs))]
         while futures:
-            with deferred():
-                finished, pending = wait(futures, timeout=0.5, return_when=FIRST_EXCEPTION)
-                for f in finished:
-                    f.result()  # a defect in normspec itself surfaces, never silently
+            finished, pending = wait(futures, timeout=0.5, return_when=FIRST_EXCEPTION)
+            for f in finished:
+                f.result()  # a defect in normspec itself surfaces, never silently
             futures = list(pending)
+            checkpoint()
     except (KeyboardInterrupt, Stopped) as exc:
         stopped_by = exc.signal_name if isinstance(exc, Stopped) else "SIGINT"
     finally:
+        STOPS.pending = ""  # acted on, or come after the last checkpoint (see _StopRequests)
         state.stop()
         pool.shutdown(wait=True, cancel_futures=True)
     for unit in [k for k in state.records if k[1] == "load"] + units:
@@ -447,5 +445,5 @@ def _count(recs):
     return out
 
 
-__all__ = ["DEFAULT_DTYPES", "BackendNotUsable", "Stopped", "backend_entry", "deferred", "plan",
+__all__ = ["DEFAULT_DTYPES", "BackendNotUsable", "Stopped", "backend_entry", "checkpoint", "plan",
            "request_stop", "run", "run_check", "select_checks", "shard_units"]

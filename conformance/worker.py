@@ -155,20 +155,31 @@ class Worker:
         #: kill() runs in two threads at once when a run is stopped (the stopping main
         #: thread, and the slot thread that was driving this worker)
         self._kill_lock = threading.Lock()
+        #: set by close(): no process is started any more
+        self.closed = False
 
     # ------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        """Spawn the child; `wait_loaded` collects its answer."""
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child_main, args=(child, self.requested, self.label, self.env),
-                                name=f"normspec-{self.requested}", daemon=True)
-        self.proc.start()
-        child.close()
-        self.conn = parent
+    def start(self) -> bool:
+        """Spawn the child; `wait_loaded` collects its answer. False (nothing started)
+        once the worker is closed: a stopped run starts no process again."""
+        with self._kill_lock:
+            if self.closed:
+                self.error = "the run was stopped"
+                return False
+            ctx = multiprocessing.get_context("spawn")
+            parent, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_child_main,
+                                    args=(child, self.requested, self.label, self.env),
+                                    name=f"normspec-{self.requested}", daemon=True)
+            self.proc.start()
+            child.close()
+            self.conn = parent
+        return True
 
-    def wait_loaded(self, timeout: float) -> bool:
-        """True when the backend loaded and is available; else `error` says why."""
+    def wait_loaded(self, timeout: float, interrupt=None) -> bool:
+        """True when the backend loaded and is available; else `error` says why.
+        `interrupt()` is called between the short waits (the run's checkpoint: it raises
+        to stop the run)."""
         timeout = max(timeout, LOAD_TIMEOUT_MIN_S)
         deadline = time.monotonic() + timeout
         msg = None
@@ -177,13 +188,15 @@ class Worker:
             # multiprocessing's start-up, e.g. a main script it cannot find) never closes
             # it, so only its exit tells
             while (remaining := deadline - time.monotonic()) > 0:
+                if interrupt is not None:
+                    interrupt()
                 if self.conn.poll(min(remaining, 0.5)):
                     msg = self.conn.recv()
                     break
                 if not self.proc.is_alive():
                     msg = self.conn.recv() if self.conn.poll(0) else None
                     break
-        except (EOFError, OSError):
+        except (EOFError, OSError, AttributeError):  # (AttributeError: killed meanwhile)
             msg = None
         if msg is None:
             # the pipe closed or the process ended before the deadline: it died
@@ -208,16 +221,18 @@ class Worker:
 
     def restart(self, timeout: float) -> bool:
         self.kill()
-        self.start()
-        return self.wait_loaded(timeout)
+        return self.start() and self.wait_loaded(timeout)
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
 
     def _exit(self) -> str:
-        self.proc.join(2.0)
-        return _signal_name(self.proc.exitcode)
+        proc = self.proc
+        if proc is None:
+            return "never started"
+        proc.join(2.0)
+        return _signal_name(proc.exitcode)
 
     def kill(self) -> None:
         """Kill the child and close the pipe, once, from any thread: the pipe is taken
@@ -233,6 +248,12 @@ class Worker:
                 proc.join(5.0)
             if conn is not None:
                 conn.close()
+
+    def close(self) -> None:
+        """Kill the child, and start none again (the run is being stopped)."""
+        with self._kill_lock:
+            self.closed = True
+        self.kill()
 
     def stop(self) -> None:
         """Ask the child to finish; kill it if it does not."""
@@ -297,8 +318,10 @@ class Worker:
         if stopping is not None and stopping.is_set():
             return records  # (a process the stop killed is not started again)
         if not self.alive and not self.restart(timeout):
-            keep(Record(**base, case="restart", status="error",
-                        message=f"the backend could not be started again: {self.error}").to_json())
+            if not (stopping is not None and stopping.is_set()):
+                keep(Record(**base, case="restart", status="error",
+                            message=f"the backend could not be started again: {self.error}"
+                            ).to_json())
             return records
         self.last_compile_s = None
         out = self.run_unit(check_id, dtype, seed=seed, examples=examples, shrink=shrink,
