@@ -237,6 +237,36 @@ class _Signals:
         runner.STOPS.pending = ""  # one that came after the run's last checkpoint
 
 
+class _Progress:
+    """The run's progress lines on stdout, or none once stdout is gone (a closed pipe:
+    `normspec run | tee` stopped by Ctrl-C, which stops tee too). A failed print must not
+    end the run: raised in a slot thread, it ended a stopped run with exit 0, no line and
+    no results file (found by a review)."""
+
+    def __init__(self):
+        self.gone = False
+
+    def __call__(self, message: str) -> None:
+        if self.gone:
+            return
+        try:
+            print(message, flush=True)
+        except OSError:
+            self.gone = True
+            try:  # what is left in stdout's buffer goes nowhere, not to a later flush
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError, AttributeError):
+                pass
+
+
+def _tell(line: str) -> None:
+    """One line on stderr, if stderr is still there (the exit code says the rest)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def _refuse(message: str) -> int:
     print(f"normspec run: error: {message}", file=sys.stderr)
     return 2
@@ -292,15 +322,15 @@ def cmd_run(args) -> int:
                              dtypes=args.dtype or None, seed=args.seed, examples=args.examples,
                              timeout=args.timeout, label=label, shrink=args.shrink, jobs=args.jobs,
                              shard=args.shard, record_unavailable=args.record_unavailable,
-                             progress=(lambda m: print(m, flush=True)) if verbose else None,
+                             progress=_Progress() if verbose else None,
                              on_start=on_start, on_record=lambda r: stream[0].record(r),
                              on_done=lambda u: stream[0].done(u), previous=previous)
         except runner.BackendNotUsable as exc:
             return _refuse(str(exc))
         info = doc["runs"][0]
         if not stream:  # stopped while the backends were loading: no check ran
-            print(f"normspec run: stopped by {info['stopped_by']} before any check ran; "
-                  "nothing was written", file=sys.stderr)
+            _tell(f"normspec run: stopped by {info['stopped_by']} before any check ran; "
+                  "nothing was written")
             return 128 + signal.Signals[info["stopped_by"]].value
         stream[0].end(complete=info["complete"], stopped_by=info["stopped_by"],
                       duration_s=info["duration_s"])
@@ -317,18 +347,23 @@ def cmd_run(args) -> int:
                       f"{exc}; a defect in normspec); the results are in {json_path}",
                       file=sys.stderr)
                 return 1
-    if info["stopped_by"]:
-        done = info["planned"] - len(info["not_reached"])
-        print(f"normspec run: stopped by {info['stopped_by']} after {done} of {info['planned']} "
-              f"checks; partial results: {json_path}"
-              + (f" (report: {html_path})" if html_path else ""), file=sys.stderr)
-        return 128 + signal.Signals[info["stopped_by"]].value
-    failing = print_summary(doc)
-    print_timing(doc)
-    print(f"\nresults: {json_path}  ({len(doc['records'])} records, {info['duration_s']} s)")
-    if html_path is not None:
-        print(f"report:  {html_path}")
-    return 1 if failing else 0
+        if info["stopped_by"]:
+            done = info["planned"] - len(info["not_reached"])
+            _tell(f"normspec run: stopped by {info['stopped_by']} after {done} of "
+                  f"{info['planned']} checks; partial results: {json_path}"
+                  + (f" (report: {html_path})" if html_path else ""))
+            return 128 + signal.Signals[info["stopped_by"]].value
+        failing = sum(r["status"] in results.FAILING for r in doc["records"])
+        try:
+            print_summary(doc)
+            print_timing(doc)
+            print(f"\nresults: {json_path}  ({len(doc['records'])} records, "
+                  f"{info['duration_s']} s)")
+            if html_path is not None:
+                print(f"report:  {html_path}")
+        except OSError:  # stdout gone (a closed pipe): the results are written
+            pass
+        return 1 if failing else 0
 
 
 def _previous_timing() -> dict[str, float]:

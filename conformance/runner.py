@@ -87,7 +87,8 @@ def run_info(seed: int, label: str) -> dict:
 
 
 class Stopped(BaseException):
-    """Raised in the main thread by a signal handler: the run stops, keeping its records.
+    """Raised in the main thread at a checkpoint after a signal: the run stops, keeping
+    its records.
     A BaseException, like KeyboardInterrupt, so no `except Exception` swallows it."""
 
     def __init__(self, signal_name: str):
@@ -199,6 +200,7 @@ class _Run:
         start = time.perf_counter()
         for w in workers:
             self.workers[w.requested] = w
+            checkpoint()  # (no process is started once a stop came)
             w.start()
         for w in workers:
             w.wait_loaded(self.timeout, interrupt=checkpoint)
@@ -377,6 +379,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     load_records: list[tuple] = []
     try:
         workers = state.load(names)
+        checkpoint()  # (before a backend that did not load is refused)
         unusable = [w for w in workers if not w.entry.get("available")]
         if explicit and unusable and not record_unavailable:
             raise BackendNotUsable("; ".join(f"backend {w.requested!r} could not be used: "
@@ -416,7 +419,8 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
             for f in finished:
                 f.result()  # a defect in normspec itself surfaces, never silently
             futures = list(pending)
-            checkpoint()
+            if futures:  # (once the last check is done, the run is complete)
+                checkpoint()
     except (KeyboardInterrupt, Stopped) as exc:
         stopped_by = exc.signal_name if isinstance(exc, Stopped) else "SIGINT"
     finally:

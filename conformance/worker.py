@@ -68,10 +68,20 @@ def _die_with_parent() -> None:
 CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _child_main(conn, requested: str, label: str, env: dict | None = None) -> None:
     for key, value in (CHILD_ENV if env is None else env).items():
         os.environ.setdefault(key, value)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the parent stops the run (a Ctrl-C or a SIGTERM reaches the whole process group)
+    # and kills this process itself: a signal meant for the run would otherwise end the
+    # backend mid-check and be recorded as its death (found by a review). Blocked since
+    # the spawn (Worker.start), so one that came during the start-up is dropped here.
+    for s in _STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _die_with_parent()
     from hypothesis.configuration import set_hypothesis_home_dir
 
@@ -171,7 +181,15 @@ class Worker:
             self.proc = ctx.Process(target=_child_main,
                                     args=(child, self.requested, self.label, self.env),
                                     name=f"normspec-{self.requested}", daemon=True)
-            self.proc.start()
+            # the child starts with the stop signals blocked (the mask survives the spawn)
+            # until it ignores them: a Ctrl-C during its start-up printed its traceback
+            mask = (signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+                    if hasattr(signal, "pthread_sigmask") else None)
+            try:
+                self.proc.start()
+            finally:
+                if mask is not None:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             child.close()
             self.conn = parent
         return True

@@ -239,6 +239,44 @@ def test_a_stop_while_loading_or_while_writing_is_not_a_crash(tmp_path, monkeypa
     assert runner.STOPS.pending == ""  # (a later run in this process is not stopped by it)
 
 
+def test_a_closed_stdout_does_not_cost_the_results(tmp_path, monkeypatch):
+    """`normspec run | tee log` stopped by Ctrl-C stops tee as well: the next progress
+    line, printed in a slot thread, raised BrokenPipeError, and the run ended with exit 0,
+    no line and no results file (found by a review). Progress goes quiet instead."""
+    from normspec.conformance import cli
+
+    class Gone:  # (its flush of nothing succeeds, as a closed pipe's does)
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdout", Gone())
+    rc = cli.main(["run", "--backend", "numpy", "--check", "E1.worked_example", "--dtype",
+                   "float32", "--no-html", "--json", "r.json"])
+    assert rc == 0
+    assert results.read(tmp_path / "r.json")["runs"][0]["complete"] is True
+
+
+def test_a_backend_process_ignores_the_signals_that_stop_the_run():
+    """A Ctrl-C or SIGTERM reaches the whole process group; the backend processes leave
+    stopping to the run, which kills them itself (killed by the signal, they were recorded
+    as backend deaths: found by a review)."""
+    from normspec.conformance.worker import Worker
+
+    worker = Worker("numpy", "test")
+    assert worker.start() and worker.wait_loaded(60)
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(worker.proc.pid, sig)
+        time.sleep(0.5)
+        assert worker.alive
+    finally:
+        worker.close()
+    assert not worker.alive and not worker.start()  # and closed, it starts no process
+
+
 def test_a_killed_run_leaves_a_readable_stream(tmp_path):
     proc = start(tmp_path, "run", "--backend", "nonfinite_backends:Slow", "--check", "F2",
                  "--check", "F3", "--label", "slow")
