@@ -14,6 +14,7 @@ import collections
 import datetime as _dt
 import os
 import platform
+import signal
 import sys
 import threading
 import time
@@ -124,6 +125,26 @@ def checkpoint() -> None:
     """Raise Stopped here if a stop was requested (main thread only)."""
     if STOPS.pending:
         raise Stopped(STOPS.pending)
+
+
+class _CtrlCStops:
+    """Ctrl-C in a program that calls run() itself, with Python's own SIGINT handler:
+    recorded as a stop for the duration of the run, as the CLI's handler does, instead of
+    a KeyboardInterrupt raised at any bytecode (which could leave a lock of
+    concurrent.futures held and hang the run, see _StopRequests). A handler of the
+    program's own is left alone."""
+
+    def __enter__(self):
+        self.saved = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self.saved = signal.signal(signal.SIGINT,
+                                       lambda signum, frame: request_stop("SIGINT"))
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            signal.signal(signal.SIGINT, self.saved)
 
 
 class BackendNotUsable(ValueError):
@@ -377,6 +398,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="normspec-backend")
     stopped_by = ""
     load_records: list[tuple] = []
+    ctrl_c = _CtrlCStops().__enter__()
     try:
         workers = state.load(names)
         checkpoint()  # (before a backend that did not load is refused)
@@ -424,9 +446,10 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     except (KeyboardInterrupt, Stopped) as exc:
         stopped_by = exc.signal_name if isinstance(exc, Stopped) else "SIGINT"
     finally:
-        STOPS.pending = ""  # acted on, or come after the last checkpoint (see _StopRequests)
         state.stop()
         pool.shutdown(wait=True, cancel_futures=True)
+        ctrl_c.__exit__()
+        STOPS.pending = ""  # acted on, or come after the last checkpoint (see _StopRequests)
     for unit in [k for k in state.records if k[1] == "load"] + units:
         doc["records"].extend(state.records.get(unit, []))
     for entry in doc["backends"]:

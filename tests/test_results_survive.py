@@ -206,6 +206,39 @@ def test_a_stop_requested_inside_the_wait_for_the_slots_is_acted_on_after_it(mon
     assert runner.STOPS.pending == ""  # nothing left for a next run
 
 
+def test_ctrl_c_in_a_program_that_calls_run_itself_stops_it_safely(monkeypatch):
+    """A program calling runner.run with Python's own SIGINT handler: a Ctrl-C that lands
+    inside concurrent.futures' wait() must not be raised there (a KeyboardInterrupt left
+    its lock held and the run hung); it stops the run like the CLI's, and the program's
+    handler is back afterwards."""
+    import threading
+
+    from normspec.conformance import runner
+
+    held = threading.Lock()
+    calls = []
+
+    def wait_with_a_ctrl_c(*args, **kwargs):
+        held.acquire()  # as concurrent.futures does, outside any try/finally
+        if not calls:
+            handler = signal.getsignal(signal.SIGINT)
+            calls.append(handler)
+            handler(signal.SIGINT, None)  # what a Ctrl-C here runs
+        held.release()
+        return real_wait(*args, **kwargs)
+    real_wait = runner.wait
+    monkeypatch.setattr(runner, "wait", wait_with_a_ctrl_c)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (whatever ran us)
+    try:
+        doc = runner.run(["nonfinite_backends:Slow"], checks=["F2.values"],
+                         dtypes=["float32"], examples=2)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert not held.locked(), "the Ctrl-C was raised inside the wait, holding its lock"
+    assert doc["runs"][0]["stopped_by"] == "SIGINT"
+
+
 @pytest.mark.parametrize("when", ["loading", "writing"])
 def test_a_stop_while_loading_or_while_writing_is_not_a_crash(tmp_path, monkeypatch, when):
     """A signal before any check ran ends the run with 128 + its number and one line, no
