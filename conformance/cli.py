@@ -211,18 +211,14 @@ def _stream_path(json_path: Path) -> Path:
 
 
 class _Signals:
-    """SIGINT and SIGTERM stop the run once (runner.request_stop: the run stops at its
-    next checkpoint); later ones are ignored while the partial results are written."""
+    """SIGINT and SIGTERM stop the run once (runner.request_stop, which keeps the first:
+    the run stops at its next checkpoint); later ones change nothing while the partial
+    results are written."""
 
     def __init__(self):
-        self.fired = False
         self.saved = {}
-        runner.STOPS.pending = ""
 
     def _handler(self, signum, frame):
-        if self.fired:
-            return
-        self.fired = True
         runner.request_stop(signal.Signals(signum).name)
 
     def __enter__(self):

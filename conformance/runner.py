@@ -127,24 +127,17 @@ def checkpoint() -> None:
         raise Stopped(STOPS.pending)
 
 
-class _CtrlCStops:
+def _record_ctrl_c() -> Callable[[], object]:
     """Ctrl-C in a program that calls run() itself, with Python's own SIGINT handler:
-    recorded as a stop for the duration of the run, as the CLI's handler does, instead of
-    a KeyboardInterrupt raised at any bytecode (which could leave a lock of
-    concurrent.futures held and hang the run, see _StopRequests). A handler of the
-    program's own is left alone."""
-
-    def __enter__(self):
-        self.saved = None
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self.saved = signal.signal(signal.SIGINT,
-                                       lambda signum, frame: request_stop("SIGINT"))
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            signal.signal(signal.SIGINT, self.saved)
+    recorded as a stop until the returned function puts that handler back, as the CLI's
+    handler does, instead of a KeyboardInterrupt raised at any bytecode (which could
+    leave a lock of concurrent.futures held and hang the run, see _StopRequests). A
+    handler of the program's own is left alone."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        saved = signal.signal(signal.SIGINT, lambda signum, frame: request_stop("SIGINT"))
+        return lambda: signal.signal(signal.SIGINT, saved)
+    return lambda: None
 
 
 class BackendNotUsable(ValueError):
@@ -398,7 +391,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="normspec-backend")
     stopped_by = ""
     load_records: list[tuple] = []
-    ctrl_c = _CtrlCStops().__enter__()
+    restore_ctrl_c = _record_ctrl_c()
     try:
         workers = state.load(names)
         checkpoint()  # (before a backend that did not load is refused)
@@ -448,7 +441,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     finally:
         state.stop()
         pool.shutdown(wait=True, cancel_futures=True)
-        ctrl_c.__exit__()
+        restore_ctrl_c()
         STOPS.pending = ""  # acted on, or come after the last checkpoint (see _StopRequests)
     for unit in [k for k in state.records if k[1] == "load"] + units:
         doc["records"].extend(state.records.get(unit, []))

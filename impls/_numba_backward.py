@@ -16,8 +16,8 @@ reassociate a sum or contract a product into an FMA, either of which it had done
 layout's loop and not in the other's, and no two codings of a loop can differ). None of
 it needs fast-math to vectorize: the row sums are LANES partial sums added in a fixed
 order (_numba_lanes), the rest is elementwise. The per-format functions below are the
-same code compiled once per element format (a function passed to a compiled, not inlined, function
-would make it uncacheable)."""
+same code compiled once per element format (a function passed to a compiled, not
+inlined, function would make it uncacheable)."""
 
 import math
 
