@@ -311,19 +311,21 @@ def bwd(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks, fmt, ce
     """The backward in chunks of rows, one per thread: float64 partial dgamma/dbeta per
     chunk, added in chunk order into dw_part[0] and db_part[0] once all are done (the
     caller rounds them once); dw32/db32 are float32 scratch rows, one per chunk, that
-    the caller allocates with the outputs. w is float64 for float64 rows, float32
-    otherwise; fmt: 0 float16, 1 bfloat16 (16-bit rows only). The zeroing and the final
-    sums are here rather than NumPy calls around the kernel: at [256, 1000] float32 the
-    backward then took 58 us instead of 69 (one process, same bits)."""
-    rows = x.shape[0]
+    the caller allocates with the outputs, as many as n_chunks or more. Those per-chunk
+    rows may be longer than d (padded so that each starts on a cache line): the kernel
+    uses the first d. w is float64 for float64 rows, float32 otherwise; fmt: 0 float16,
+    1 bfloat16 (16-bit rows only). The zeroing and the final sums are here rather than
+    NumPy calls around the kernel: at [256, 1000] float32 the backward then took 58 us
+    instead of 69 (one process, same bits)."""
+    rows, d = x.shape
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         r0, r1 = c * per, min(rows, (c + 1) * per)
-        _zero(dw_part[c], db_part[c])
-        chunk_of(fmt, x, w, g, mean, rstd, dx, dw_part[c], db_part[c], dw32[c], db32[c],
-                 r0, r1, centre)
+        _zero(dw_part[c, :d], db_part[c, :d])
+        chunk_of(fmt, x, w, g, mean, rstd, dx, dw_part[c, :d], db_part[c, :d], dw32[c, :d],
+                 db32[c, :d], r0, r1, centre)
     for c in range(1, n_chunks):
-        _add_into(dw_part[0], db_part[0], dw_part[c], db_part[c])
+        _add_into(dw_part[0, :d], db_part[0, :d], dw_part[c, :d], db_part[c, :d])
 
 
 @jit_strict

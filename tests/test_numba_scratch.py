@@ -1,0 +1,80 @@
+"""The numba backward's per-chunk scratch rows (numba_kernels.scratch_rows): each row
+starts on a cache line and the arrays sit apart modulo a page, and the kernel only ever
+uses as many chunks as rows were made (a prepared callable made under one thread count
+and called under another once wrote past its buffers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from normspec.impls import numba_kernels  # noqa: E402
+from normspec.impls.numba_kernels import PAGE, ROW_ALIGN, scratch_rows  # noqa: E402
+
+DTYPES = (np.float64, np.float64, np.float32, np.float32)
+
+
+@pytest.mark.parametrize("n, d", [(1, 1), (2, 1000), (3, 17), (2, 4096), (5, 70_003)])
+def test_scratch_rows_are_aligned_staggered_and_disjoint(n, d):
+    arrays = scratch_rows(n, d, DTYPES)
+    assert [a.dtype for a in arrays] == [np.dtype(t) for t in DTYPES]
+    spans = []
+    for i, a in enumerate(arrays):
+        assert a.shape[0] == n and a.shape[1] >= d, (a.shape, n, d)
+        assert a.shape[1] * a.itemsize % ROW_ALIGN == 0
+        assert a.shape[1] - d < ROW_ALIGN // a.itemsize, f"rows padded by more than a line: {a.shape}"
+        assert a.flags.c_contiguous
+        for row in a:
+            assert row.ctypes.data % ROW_ALIGN == 0, f"array {i}: a row starts off a cache line"
+        assert a.ctypes.data % PAGE == i * PAGE // len(DTYPES), (
+            f"array {i} starts at {a.ctypes.data % PAGE} modulo {PAGE}, expected "
+            f"{i * PAGE // len(DTYPES)}")
+        spans.append((a.ctypes.data, a.ctypes.data + a.nbytes))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), (
+        "scratch arrays overlap")
+
+
+def test_a_prepared_backward_uses_only_the_chunks_it_made(monkeypatch):
+    """The callable is made while one chunk is planned and called while three are: the
+    kernel must get the one chunk its buffers have (it does not check bounds)."""
+    backend = numba_kernels.make_backend()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((96, 40)).astype(np.float32)
+    g = rng.standard_normal((96, 40)).astype(np.float32)
+    w, b = np.ones(40, np.float32), np.zeros(40, np.float32)
+    calls = []
+    kernel = backend.k["bwd"]
+
+    def checked(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks, *rest):
+        calls.append((n_chunks, dw_part.shape[0], dw32.shape[0]))
+        return kernel(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks, *rest)
+
+    monkeypatch.setitem(backend.k, "bwd", checked)
+    monkeypatch.setattr(numba_kernels, "_chunks", lambda rows: 1)
+    run = backend.prepare_benchmark("layer_norm", x, (40,), w, b, 1e-5, g)
+    monkeypatch.setattr(numba_kernels, "_chunks", lambda rows: 3)
+    run()
+    assert calls and all(n <= min(rows) for n, *rows in calls), (
+        f"got (chunks, partial rows, float32 rows) = {calls}, but the kernel may use no more "
+        "chunks than the buffers have rows")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_backward_is_unchanged_by_the_scratch_layout(dtype):
+    """Padded rows change no result: the protocol's dgamma/dbeta have length d and equal
+    a plain NumPy sum of the same terms to within the float32 scratch sums' rounding."""
+    backend = numba_kernels.make_backend()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((130, 37)).astype(dtype)
+    g = rng.standard_normal((130, 37)).astype(dtype)
+    res = backend.layer_norm(x, (37,), np.ones(37, dtype), np.zeros(37, dtype), 1e-5, g)
+    x64 = x.astype(np.float64)
+    x_hat = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
+    assert res.grad_weight.shape == (37,) and res.grad_bias.shape == (37,)
+    tol = 64 * np.finfo(dtype).eps * np.abs(g * x_hat).sum(0)
+    assert np.all(np.abs(res.grad_weight - (g * x_hat).sum(0)) <= tol)
+    assert np.all(np.abs(res.grad_bias - g.sum(0, dtype=np.float64))
+                  <= 64 * np.finfo(dtype).eps * np.abs(g).sum(0))
