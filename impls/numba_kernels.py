@@ -50,6 +50,8 @@ except ImportError as exc:  # the registry reports the backend as unavailable
     _IMPORT_ERROR = exc
 else:
     _IMPORT_ERROR = None
+    # a constant of a module that compiles nothing (imported here, not at every call)
+    from ._numba_stream import STREAM_ROW_BYTES
 
 
 def _kernels():
@@ -134,13 +136,6 @@ def _half_params(w, b, dtype):
     return w, b
 
 
-def _few_rows(x):
-    """Whether the backward of rows `x` takes the column-tiled kernels."""
-    from ._numba_backward import COLUMN_ROWS
-
-    return x.shape[0] < COLUMN_ROWS
-
-
 @functools.cache
 def last_level_cache_bytes(folder: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """The size of this machine's largest CPU cache (the highest level), as Linux lists it
@@ -165,8 +160,6 @@ def stream_rows(y) -> bool:
     """Whether the float32/float64 forward streams output rows `y` to memory: when y is
     at least the last-level cache's size (it would not stay in cache anyway) and its rows
     are narrow enough for their scratch row to (see _numba_stream)."""
-    from ._numba_stream import STREAM_ROW_BYTES
-
     return y.nbytes >= last_level_cache_bytes() and y.shape[1] * y.itemsize <= STREAM_ROW_BYTES
 
 
@@ -195,6 +188,10 @@ class NumbaBackend(Backend):
             raise BackendUnavailable(f"numba is not installed: {_IMPORT_ERROR}")
         self.version = numba.__version__
         self.k = _kernels()
+        from ._numba_backward import COLUMN_ROWS
+
+        #: Fewer rows than this take the column-tiled backward (_numba_backward).
+        self.column_rows = COLUMN_ROWS
 
     def compile_seconds(self) -> float:
         from ._numba_jit import COMPILING
@@ -228,7 +225,7 @@ class NumbaBackend(Backend):
         of the partial rows (few rows take bwd_cols, see _numba_backward.COLUMN_ROWS)."""
         dx, dw_part, db_part, dw32, db32 = out if out is not None else _bwd_out(xr)
         centre, fmt, d = op == "layer_norm", -1 if fmt is None else fmt, xr.shape[1]
-        if _few_rows(xr):
+        if xr.shape[0] < self.column_rows:
             means = np.empty((xr.shape[0], 4), np.float64 if xr.dtype == np.float64
                              else np.float32)
             self.k["bwd_cols"](xr, w, g, mean, rstd, dx, dw_part[0, :d], db_part[0, :d],
