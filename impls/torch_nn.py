@@ -162,6 +162,8 @@ class TorchBackend(Backend):
 
         def run_backward():
             x_t.grad = w.grad = None
+            if b is not None:  # else every call after the first adds into the last's
+                b.grad = None
             f(x_t).backward(g)
         return run_backward
 

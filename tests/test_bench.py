@@ -174,3 +174,92 @@ def test_a_moved_baseline_is_measured_again(monkeypatch):
                 pass_="forward", variant="protocol")
     rec = bench.measure_one(registry.load("numpy").backend, "numpy", item)
     assert rec["reliable"] and rec["attempts"] == 2 and rec["error"] == ""
+
+
+class _ScriptedWorker:
+    """A bench process whose copies run at the GB/s its script gives, round after round:
+    `script[name]` is a list of copy speeds, one per turn it takes."""
+
+    script: dict[str, list[float]] = {}
+
+    def __init__(self, name, label, env=None):
+        self.name, self.entry, self.error = name, {"name": name}, None
+        self.turn = 0
+
+    def start(self):
+        return True
+
+    def wait_loaded(self, timeout, interrupt=None):
+        return True
+
+    def stop(self):
+        pass
+
+    def run_job(self, message, *, timeout, on_record):
+        from normspec.conformance.worker import Outcome
+
+        _, group, _ = message
+        speed = self.script[self.name][self.turn]
+        self.turn += 1
+        seconds = 8 * MB / (speed * 1e9)
+        for item in group:
+            kernel = seconds * (2 if self.name == "torch" else 1)
+            on_record(bench.judge(dict(bench._record(self.name, item)), [seconds], [seconds],
+                                  [kernel], 8 * MB))
+        return Outcome("done", len(group))
+
+
+@pytest.mark.parametrize("script, rounds, vs_torch", [
+    # torch's turn ran against a copy at half the speed, then both agreed
+    ({"torch": [8.0, 16.0], "numba": [16.0, 16.0]}, 2, 2.0),
+    # they never agreed: ROUNDS rounds, the last kept, no ratio and the reason
+    ({"torch": [8.0] * bench.ROUNDS, "numba": [16.0] * bench.ROUNDS}, bench.ROUNDS, None),
+    # agreed at once: one round
+    ({"torch": [16.0], "numba": [15.0]}, 1, 2.0),
+])
+def test_a_measurement_whose_copies_disagree_across_processes_is_taken_again(
+        monkeypatch, script, rounds, vs_torch):
+    from normspec.conformance import worker
+
+    monkeypatch.setattr(_ScriptedWorker, "script", script)
+    monkeypatch.setattr(worker, "Worker", _ScriptedWorker)
+    item = dict(series="table", op="layer_norm", dtype="float32", shape=[256, 1000],
+                pass_="forward+backward", variant="prepared")
+    said: list[str] = []
+    rows = bench.run_bench(["torch", "numba"], items=[item], progress=said.append)["benchmarks"]
+    assert [r["backend"] for r in rows] == ["torch", "numba"][::1 if rounds % 2 else -1], rows
+    assert all(r["rounds"] == rounds for r in rows)
+    numba = next(r for r in rows if r["backend"] == "numba")
+    assert numba["vs_torch"] == (pytest.approx(vs_torch) if vs_torch else None)
+    again = [line for line in said if line.startswith("measured again")]
+    assert len(again) == rounds - 1
+    if vs_torch is None:
+        assert "no x torch" in numba["vs_torch_note"]
+    if again:
+        assert "16.0 GB/s in numba's process and 8.0 GB/s in torch's" in again[0]
+
+
+def test_a_process_that_stopped_keeps_what_it_measured_before(monkeypatch):
+    """No second round once a process stopped: its first round's rows would give way to
+    'not measured' ones."""
+    from normspec.conformance import worker
+
+    class Dies(_ScriptedWorker):
+        def run_job(self, message, *, timeout, on_record):
+            from normspec.conformance.worker import Outcome
+
+            if self.name == "numba":
+                _, group, _ = message
+                on_record(bench.judge(bench._record("numba", group[0]), [1e-3], [1e-3], [1e-3],
+                                      8 * MB))
+                return Outcome("died", 1, "killed by signal 9")
+            return super().run_job(message, timeout=timeout, on_record=on_record)
+
+    monkeypatch.setattr(_ScriptedWorker, "script", {"torch": [1.0] * bench.ROUNDS})
+    monkeypatch.setattr(worker, "Worker", Dies)
+    items = [dict(series="table", op="layer_norm", dtype="float32", shape=[256, 1000],
+                  pass_="forward", variant=v) for v in bench.VARIANTS]
+    rows = bench.run_bench(["torch", "numba"], items=items, progress=lambda _: None)["benchmarks"]
+    numba = [r for r in rows if r["backend"] == "numba"]
+    assert [bool(r["gbps"]) for r in numba] == [True, False], numba
+    assert "numba's bench process stopped" in numba[1]["error"]
