@@ -32,11 +32,13 @@ time: the machine is shared and noisy, so the bench guards its own numbers:
   [256, 1000] LayerNorm and its copy both "took 12 ms");
 * ratios between backends ("x torch") are taken across processes from reliable results
   only, as the ratio of their fractions of copy, each against its own baseline, and
-  only where the two baselines agree within UNRELIABLE_SPREAD (see compare_to_torch);
-  where they do not, every backend takes that measurement again, up to ROUNDS rounds
-  of turns in all (the record's `rounds`), the last one kept: copies of a few MB, which
-  run in the last-level cache, were seen 20% apart between two processes' turns a
-  second apart (the VM's neighbours), and most small shapes had no "x torch".
+  only where the two baselines agree within UNRELIABLE_SPREAD (see compare_to_torch),
+  each pair from one round of turns; where a reliable row has no ratio, every backend
+  still running takes that measurement again, up to ROUNDS rounds in all, and the
+  results keep the round that said most (_kept; the record's `round` says which; the
+  others' lines were printed as they were measured): copies of a few MB, which run in
+  the last-level cache, were seen 20% apart between two processes' turns a second
+  apart (the VM's neighbours), and most small shapes had no "x torch".
 
 Bytes counted: forward reads x and writes y (2 N D s); forward+backward also reads x and
 g and writes dx (5 N D s in all); the parameter vectors are negligible.
@@ -176,7 +178,7 @@ def _record(name: str, item: dict) -> dict:
             "ms": None, "gbps": None, "copy_gbps": None, "copy_before_gbps": None,
             "copy_after_gbps": None, "of_copy": None, "vs_torch": None, "vs_torch_note": "",
             "reliable": False,
-            "timed": "", "error": "", "attempts": 0, "rounds": None, "pid": os.getpid()}
+            "timed": "", "error": "", "attempts": 0, "round": None, "pid": os.getpid()}
 
 
 class _Inputs:
@@ -298,13 +300,35 @@ def _torch_pairs(rows: list[dict]):
         yield r, t, max(r["copy_gbps"], t["copy_gbps"]) / min(r["copy_gbps"], t["copy_gbps"]) - 1
 
 
-def _baselines_apart(rows: list[dict]) -> str:
-    """Why `rows` (one measurement, every backend) cannot be compared with torch's, or ""
-    when they can: some row's copy ran more than UNRELIABLE_SPREAD away from torch's."""
-    for r, t, apart in _torch_pairs(rows):
-        if apart > UNRELIABLE_SPREAD:
-            return (f"the copy ran at {r['copy_gbps']:.1f} GB/s in {r['backend']}'s process "
-                    f"and {t['copy_gbps']:.1f} GB/s in torch's ({100 * apart:.0f}% apart)")
+def _rank(r: dict, with_torch: bool) -> int:
+    """How much a row of one measurement says: 3 a reliable number, compared with torch
+    where torch was timed too; 2 a reliable number; 1 a time, unreliable; 0 none."""
+    if r.get("reliable") and r.get("of_copy"):
+        return 3 if r.get("vs_torch") or not with_torch else 2
+    return 1 if r.get("ms") is not None else 0
+
+
+def _kept(rounds: list[list[dict]], with_torch: bool) -> list[dict]:
+    """The rows of one measurement taken in `rounds` of turns (each round's compared with
+    torch's of that round) that the results keep: one round's, so that every ratio is
+    between rows shown side by side. A later round replaces the kept one only where no
+    backend's row says less in it (_rank) and one says more: a round in which a process
+    stopped, or a copy moved, never takes away what an earlier round measured."""
+    kept = rounds[0]
+    for rows in rounds[1:]:
+        old = {(r["backend"], r["variant"]): _rank(r, with_torch) for r in kept}
+        new = {(r["backend"], r["variant"]): _rank(r, with_torch) for r in rows}
+        if all(new[k] >= old[k] for k in old) and any(new[k] > old[k] for k in old):
+            kept = rows
+    return kept
+
+
+def _not_compared(rows: list[dict], with_torch: bool) -> str:
+    """Why some reliable row of `rows` (one measurement) has no ratio to torch, or ""."""
+    for r in rows:
+        if _rank(r, with_torch) == 2:
+            return r["vs_torch_note"] or (
+                f"{r['backend']} {r['variant']}: torch's prepared row has no number")
     return ""
 
 
@@ -329,8 +353,8 @@ def _not_measured(name: str, items: list[dict], why: str) -> list[dict]:
 #: Seconds between one process's turn and the next's: threads of the last that still
 #: spin (OpenMP's wait before it sleeps) have stopped before the next one's copy is timed.
 TURN_PAUSE_S = 0.05
-#: Rounds of turns one measurement gets until every backend's copy ran within
-#: UNRELIABLE_SPREAD of torch's (the last round is kept, with its "no x torch" notes).
+#: Rounds of turns one measurement gets until every backend's reliable row has a ratio
+#: to torch's of the same round (see _kept for the round the results keep).
 ROUNDS = 3
 
 
@@ -344,7 +368,8 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
     at 36 against 57 GB/s), and no ratio between them could be given. A process waits,
     idle, while another measures. `timeout` is per turn. One that stops (dies, times
     out) has the rest of its measurements recorded as not measured, with the reason, and
-    so has a backend that could not be loaded."""
+    so has a backend that could not be loaded. A measurement is taken in up to ROUNDS
+    rounds of turns (see the module doc), each compared with torch's of its round."""
     from normspec.impls import registry
 
     from .worker import Worker
@@ -372,8 +397,9 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
                 worker.stop()
         stopped: dict[int, str] = {}
         for i, group in enumerate(_groups(items)):
+            rounds: list[list[dict]] = []
             for round_ in range(1, ROUNDS + 1):
-                start, stopped_before = len(rows), len(stopped)
+                start = len(rows)
                 turns = list(enumerate(workers))
                 for w, (name, worker) in (turns if (i + round_) % 2 else turns[::-1]):
                     if w in stopped:
@@ -383,28 +409,30 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
                     got = len(rows)
                     out = worker.run_job(("bench", group, repeat), timeout=timeout,
                                          on_record=keep)
+                    for r in rows[got:]:
+                        r["round"] = round_
                     if out.how != "done":
                         why = (f"timed out after {timeout:g} s" if out.how == "timeout"
                                else out.detail)
                         stopped[w] = f"not measured: {name}'s bench process stopped ({why})"
                         progress(f"{name}: {stopped[w]}")
                         rows.extend(_not_measured(name, group[len(rows) - got:], stopped[w]))
-                for r in rows[start:]:
-                    r["rounds"] = round_
-                why = _baselines_apart(rows[start:])
-                # (not again once a process stopped: what it measured before is kept)
-                if not why or round_ == ROUNDS or len(stopped) > stopped_before:
-                    break
-                # the machine changed between the turns: all are taken again, and this
-                # round's rows (printed above) give way to the next's
-                progress(f"measured again, every backend: {why}")
+                rounds.append(rows[start:])
                 del rows[start:]
+                compare_to_torch(rounds[-1])
+                # no torch to compare with (or none left): no round is taken for that
+                with_torch = any(name == "torch" and w not in stopped
+                                 for w, (name, _) in enumerate(workers))
+                why = _not_compared(_kept(rounds, with_torch), with_torch)
+                if not why or round_ == ROUNDS or len(stopped) == len(workers):
+                    break
+                progress(f"measured again (round {round_ + 1} of at most {ROUNDS}): {why}")
+            rows.extend(_kept(rounds, with_torch))
             for name, why in unavailable.items():
                 rows.extend(_not_measured(name, group, why))
     finally:
         for _, worker in workers:
             worker.stop()
-    compare_to_torch(rows)
     for r in rows:
         r["run"] = label
     doc["benchmarks"] = rows

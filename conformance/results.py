@@ -28,7 +28,7 @@ Document (schema "normspec-results", version 2; version 1 files are read too):
 A Benchmark (`normspec bench`, conformance/bench.py) is one timing: {"backend", "op",
 "dtype", "shape", "pass", "variant": "prepared" | "protocol", "series": "table" |
 "curve <elements>", "ms", "gbps", "copy_gbps", "copy_before_gbps", "copy_after_gbps",
-"of_copy", "vs_torch", "vs_torch_note", "reliable", "timed", "error", "attempts", "rounds",
+"of_copy", "vs_torch", "vs_torch_note", "reliable", "timed", "error", "attempts", "round",
 "pid", "run"}; the numbers are null where nothing was measured, and the ratios null where the
 result is unreliable (`error` says why; `vs_torch_note` where only the comparison with
 torch is). Files written before the variant/series/reliability fields read as the
@@ -92,7 +92,7 @@ BENCH_KEYS = {"backend": str, "op": str, "dtype": str, "shape": list, "pass": st
 BENCH_DEFAULTS: dict[str, Any] = {"series": "table", "ms": None, "gbps": None, "copy_gbps": None,
                                   "copy_before_gbps": None, "copy_after_gbps": None,
                                   "of_copy": None, "vs_torch": None, "vs_torch_note": "",
-                                  "timed": "", "error": "", "attempts": None, "rounds": None,
+                                  "timed": "", "error": "", "attempts": None, "round": None,
                                   "pid": None,
                                   "run": ""}
 RUN_DEFAULTS: dict[str, Any] = {"created": "", "seed": None, "host": "", "cpu": "", "platform": "",

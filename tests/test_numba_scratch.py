@@ -16,10 +16,12 @@ from normspec.impls.numba_kernels import PAGE, ROW_ALIGN, scratch_rows  # noqa: 
 DTYPES = (np.float64, np.float64, np.float32, np.float32)
 
 
+@pytest.mark.parametrize("dtypes", [DTYPES, DTYPES[1:], DTYPES[:1]])
 @pytest.mark.parametrize("n, d", [(1, 1), (2, 1000), (3, 17), (2, 4096), (5, 70_003)])
-def test_scratch_rows_are_aligned_staggered_and_disjoint(n, d):
-    arrays = scratch_rows(n, d, DTYPES)
-    assert [a.dtype for a in arrays] == [np.dtype(t) for t in DTYPES]
+def test_scratch_rows_are_aligned_staggered_and_disjoint(n, d, dtypes):
+    arrays = scratch_rows(n, d, dtypes)
+    assert [a.dtype for a in arrays] == [np.dtype(t) for t in dtypes]
+    step = PAGE // len(dtypes) // ROW_ALIGN * ROW_ALIGN
     spans = []
     for i, a in enumerate(arrays):
         assert a.shape[0] == n and a.shape[1] >= d, (a.shape, n, d)
@@ -28,9 +30,8 @@ def test_scratch_rows_are_aligned_staggered_and_disjoint(n, d):
         assert a.flags.c_contiguous
         for row in a:
             assert row.ctypes.data % ROW_ALIGN == 0, f"array {i}: a row starts off a cache line"
-        assert a.ctypes.data % PAGE == i * PAGE // len(DTYPES), (
-            f"array {i} starts at {a.ctypes.data % PAGE} modulo {PAGE}, expected "
-            f"{i * PAGE // len(DTYPES)}")
+        assert a.ctypes.data % PAGE == i * step, (
+            f"array {i} starts at {a.ctypes.data % PAGE} modulo {PAGE}, expected {i * step}")
         spans.append((a.ctypes.data, a.ctypes.data + a.nbytes))
     spans.sort()
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), (
