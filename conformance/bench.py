@@ -33,12 +33,13 @@ time: the machine is shared and noisy, so the bench guards its own numbers:
 * ratios between backends ("x torch") are taken across processes from reliable results
   only, as the ratio of their fractions of copy, each against its own baseline, and
   only where the two baselines agree within UNRELIABLE_SPREAD (see compare_to_torch),
-  each pair from one round of turns; where a reliable row has no ratio, every backend
-  still running takes that measurement again, up to ROUNDS rounds in all, and the
-  results keep the round that said most (_kept; the record's `round` says which; the
-  others' lines were printed as they were measured): copies of a few MB, which run in
-  the last-level cache, were seen 20% apart between two processes' turns a second
-  apart (the VM's neighbours), and most small shapes had no "x torch".
+  each pair from one round of turns; where a reliable row of a backend still running
+  has no ratio, while torch runs, every backend still running takes that measurement
+  again, up to ROUNDS rounds in all, and the results keep the round that said most
+  (_kept; the record's `round` says which; the others' lines were printed as they were
+  measured): copies of a few MB, which run in the last-level cache, were seen 20%
+  apart between two processes' turns a second apart (the VM's neighbours), and most
+  small shapes had no "x torch".
 
 Bytes counted: forward reads x and writes y (2 N D s); forward+backward also reads x and
 g and writes dx (5 N D s in all); the parameter vectors are negligible.
@@ -276,8 +277,18 @@ def compare_to_torch(rows: list[dict]) -> None:
     other. Where they did not, the two were timed in different states of the machine
     (this VM's copy bandwidth has been seen to sit at ~37 or ~62 GB/s for minutes at a
     time), and the ratio of their fractions would flatter the one timed against the
-    faster copy; no number then, `vs_torch_note` says why."""
-    for r, t, apart in _torch_pairs(rows):
+    faster copy; no number then, `vs_torch_note` says why, as it does where torch's row
+    was timed but has no number itself."""
+    torch_rows = {_key(r): r for r in rows if r["backend"] == "torch"
+                  and r["variant"] == "prepared" and r.get("ms") is not None}
+    for r in rows:
+        t = torch_rows.get(_key(r))
+        if t is None or not (r.get("reliable") and r.get("of_copy")):
+            continue
+        if not (t.get("reliable") and t.get("of_copy")):
+            r["vs_torch_note"] = f"no x torch: torch's prepared row has no number ({t['error']})"
+            continue
+        apart = max(r["copy_gbps"], t["copy_gbps"]) / min(r["copy_gbps"], t["copy_gbps"]) - 1
         if apart > UNRELIABLE_SPREAD:
             r["vs_torch_note"] = (
                 f"no x torch: the copy of the same bytes ran at {r['copy_gbps']:.1f} GB/s in "
@@ -288,27 +299,16 @@ def compare_to_torch(rows: list[dict]) -> None:
         r["vs_torch"] = r["of_copy"] / t["of_copy"]
 
 
-def _torch_pairs(rows: list[dict]):
-    """(row, torch's prepared row for the same measurement, how far apart their copies of
-    the same bytes ran) for every reliable row that has such a reliable torch row."""
-    torch_rows = {_key(r): r for r in rows if r["backend"] == "torch"
-                  and r["variant"] == "prepared" and r.get("reliable") and r.get("of_copy")}
-    for r in rows:
-        t = torch_rows.get(_key(r))
-        if t is None or not (r.get("reliable") and r.get("of_copy")):
-            continue
-        yield r, t, max(r["copy_gbps"], t["copy_gbps"]) / min(r["copy_gbps"], t["copy_gbps"]) - 1
-
-
-def _rank(r: dict, with_torch: bool) -> int:
-    """How much a row of one measurement says: 3 a reliable number, compared with torch
-    where torch was timed too; 2 a reliable number; 1 a time, unreliable; 0 none."""
+def _rank(r: dict) -> int:
+    """How much a row of one measurement says, once compared with torch's of its round:
+    3 a reliable number with its ratio to torch (or no torch row to compare with), 2 a
+    reliable number without (`vs_torch_note` says why), 1 a time, unreliable; 0 none."""
     if r.get("reliable") and r.get("of_copy"):
-        return 3 if r.get("vs_torch") or not with_torch else 2
+        return 2 if r.get("vs_torch_note") else 3
     return 1 if r.get("ms") is not None else 0
 
 
-def _kept(rounds: list[list[dict]], with_torch: bool) -> list[dict]:
+def _kept(rounds: list[list[dict]]) -> list[dict]:
     """The rows of one measurement taken in `rounds` of turns (each round's compared with
     torch's of that round) that the results keep: one round's, so that every ratio is
     between rows shown side by side. A later round replaces the kept one only where no
@@ -316,19 +316,22 @@ def _kept(rounds: list[list[dict]], with_torch: bool) -> list[dict]:
     stopped, or a copy moved, never takes away what an earlier round measured."""
     kept = rounds[0]
     for rows in rounds[1:]:
-        old = {(r["backend"], r["variant"]): _rank(r, with_torch) for r in kept}
-        new = {(r["backend"], r["variant"]): _rank(r, with_torch) for r in rows}
+        old = {(r["backend"], r["variant"]): _rank(r) for r in kept}
+        new = {(r["backend"], r["variant"]): _rank(r) for r in rows}
         if all(new[k] >= old[k] for k in old) and any(new[k] > old[k] for k in old):
             kept = rows
     return kept
 
 
-def _not_compared(rows: list[dict], with_torch: bool) -> str:
-    """Why some reliable row of `rows` (one measurement) has no ratio to torch, or ""."""
+def _worth_again(rows: list[dict], running: set[str]) -> str:
+    """Why another round may give `rows` (the kept round of a measurement) a ratio they
+    lack: a reliable row without one, of a backend still running, torch running too; ""
+    when there is none."""
+    if "torch" not in running:
+        return ""
     for r in rows:
-        if _rank(r, with_torch) == 2:
-            return r["vs_torch_note"] or (
-                f"{r['backend']} {r['variant']}: torch's prepared row has no number")
+        if _rank(r) == 2 and r["backend"] in running:
+            return f"{r['backend']} {r['variant']}: {r['vs_torch_note']}"
     return ""
 
 
@@ -420,14 +423,12 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
                 rounds.append(rows[start:])
                 del rows[start:]
                 compare_to_torch(rounds[-1])
-                # no torch to compare with (or none left): no round is taken for that
-                with_torch = any(name == "torch" and w not in stopped
-                                 for w, (name, _) in enumerate(workers))
-                why = _not_compared(_kept(rounds, with_torch), with_torch)
-                if not why or round_ == ROUNDS or len(stopped) == len(workers):
+                running = {name for w, (name, _) in enumerate(workers) if w not in stopped}
+                why = _worth_again(_kept(rounds), running)
+                if not why or round_ == ROUNDS:
                     break
                 progress(f"measured again (round {round_ + 1} of at most {ROUNDS}): {why}")
-            rows.extend(_kept(rounds, with_torch))
+            rows.extend(_kept(rounds))
             for name, why in unavailable.items():
                 rows.extend(_not_measured(name, group, why))
     finally:

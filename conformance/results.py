@@ -31,7 +31,8 @@ A Benchmark (`normspec bench`, conformance/bench.py) is one timing: {"backend", 
 "of_copy", "vs_torch", "vs_torch_note", "reliable", "timed", "error", "attempts", "round",
 "pid", "run"}; the numbers are null where nothing was measured, and the ratios null where the
 result is unreliable (`error` says why; `vs_torch_note` where only the comparison with
-torch is). Files written before the variant/series/reliability fields read as the
+torch is); `round` is the round of turns the row was measured in (null where it was not
+measured). Files written before the variant/series/reliability fields read as the
 "table" series, "prepared" when their `timed` says so, and reliable where they have a
 number.
 

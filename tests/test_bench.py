@@ -180,14 +180,17 @@ def test_a_moved_baseline_is_measured_again(monkeypatch):
 class _ScriptedWorker:
     """A bench process whose copies run at the GB/s its script gives, turn after turn:
     `script[name]` lists, per turn, the copy's speed (before and after alike) or a pair
-    (before, after), or None for a turn in which the process dies. Its kernel takes as
-    long as the copy (torch's twice as long): numba is 2x torch when the two agree."""
+    (before, after), or None for a turn in which the process stops. Its kernel takes as
+    long as the copy (torch's twice as long): 2x torch wherever the two agree.
+    `made` keeps every process made, to count the turns each took."""
 
     script: dict[str, list] = {}
+    made: list[_ScriptedWorker] = []
 
     def __init__(self, name, label, env=None):
         self.name, self.entry, self.error = name, {"name": name}, None
         self.turn = 0
+        self.made.append(self)
 
     def start(self):
         return True
@@ -215,16 +218,24 @@ class _ScriptedWorker:
 
 
 def _bench_rounds(monkeypatch, script, variants=("prepared",)):
+    """run_bench over one measurement with the scripted processes, in the script's order:
+    (the rows, the 'measured again' lines, the turns each process took)."""
     from normspec.conformance import worker
 
     monkeypatch.setattr(_ScriptedWorker, "script", script)
+    monkeypatch.setattr(_ScriptedWorker, "made", [])
     monkeypatch.setattr(worker, "Worker", _ScriptedWorker)
     items = [dict(series="table", op="layer_norm", dtype="float32", shape=[256, 1000],
                   pass_="forward+backward", variant=v) for v in variants]
     said: list[str] = []
-    rows = bench.run_bench(["torch", "numba"], items=items, progress=said.append,
+    rows = bench.run_bench(list(script), items=items, progress=said.append,
                            timeout=5)["benchmarks"]
-    return rows, [line for line in said if line.startswith("measured again")]
+    turns = {w.name: w.turn for w in _ScriptedWorker.made}
+    return rows, [line for line in said if line.startswith("measured again")], turns
+
+
+def _row(rows, backend):
+    return next(r for r in rows if r["backend"] == backend)
 
 
 @pytest.mark.parametrize("script, kept, vs_torch", [
@@ -234,19 +245,24 @@ def _bench_rounds(monkeypatch, script, variants=("prepared",)):
     ({"torch": [16.0], "numba": [15.0]}, 1, 2.0),
     # never agreed: ROUNDS rounds, none better than the first, which is kept, with its note
     ({"torch": [8.0] * bench.ROUNDS, "numba": [16.0] * bench.ROUNDS}, 1, None),
+    # torch's own row had no number (its copy moved), then it had
+    ({"torch": [(16.0, 8.0), 16.0], "numba": [16.0, 16.0]}, 2, 2.0),
 ])
 def test_a_measurement_whose_copies_disagree_across_processes_is_taken_again(
         monkeypatch, script, kept, vs_torch):
-    rows, again = _bench_rounds(monkeypatch, script)
-    turns = len(script["torch"])
-    assert len(again) == turns - 1
+    rows, again, turns = _bench_rounds(monkeypatch, script)
+    assert turns == {name: len(speeds) for name, speeds in script.items()}
+    assert len(again) == len(script["torch"]) - 1
     assert [r["backend"] for r in rows] == ["torch", "numba"][::1 if kept % 2 else -1], rows
     assert all(r["round"] == kept for r in rows)
-    numba = next(r for r in rows if r["backend"] == "numba")
+    numba = _row(rows, "numba")
     assert numba["reliable"] and numba["vs_torch"] == (pytest.approx(vs_torch) if vs_torch else None)
     if vs_torch is None:
         assert "no x torch" in numba["vs_torch_note"]
-        assert "16.0 GB/s in this process and 8.0 GB/s in torch's" in again[0]
+        assert "numba prepared: no x torch: the copy of the same bytes ran at 16.0 GB/s in this " \
+               "process and 8.0 GB/s in torch's" in again[0]
+    if isinstance(script["torch"][0], tuple):
+        assert "torch's prepared row has no number (unreliable: the copy baseline moved" in again[0]
 
 
 @pytest.mark.parametrize("second, why", [
@@ -258,10 +274,49 @@ def test_a_round_that_measured_less_never_replaces_an_earlier_one(monkeypatch, s
     """Round 1: both reliable, copies apart (no ratio). Round 2 loses something: the
     results keep round 1, every number in it (found by a review: round 2 was kept)."""
     script = {"torch": [8.0, second["torch"], 8.0], "numba": [16.0, second["numba"], 16.0]}
-    rows, again = _bench_rounds(monkeypatch, script)
+    rows, again, _ = _bench_rounds(monkeypatch, script)
     assert again, why
     assert [r["round"] for r in rows] == [1, 1], (why, rows)
     assert all(r["reliable"] and r["gbps"] for r in rows), (why, rows)
+
+
+def test_a_round_where_one_backend_gains_a_ratio_and_another_loses_its_number(monkeypatch):
+    """Round 2 gives numba its ratio but other's process stops: round 1 is kept, with
+    other's number and ratio (a second review: keeping round 2 lost them)."""
+    script = {"torch": [8.0, 16.0, 16.0], "numba": [16.0, 16.0, 16.0], "other": [8.0, None]}
+    rows, again, turns = _bench_rounds(monkeypatch, script)
+    other = _row(rows, "other")
+    assert other["round"] == 1 and other["reliable"] and other["vs_torch"] == pytest.approx(2.0)
+    assert _row(rows, "numba")["vs_torch"] is None
+    assert turns == {"torch": 3, "numba": 3, "other": 2} and len(again) == 2
+
+
+def test_torch_stopping_in_a_later_round_keeps_the_ratios_of_an_earlier_one(monkeypatch):
+    """Round 2 gives numba its ratio, other still has none, and torch stops in round 3:
+    round 2 stays kept (a second review: the rounds were ranked again without torch and
+    round 1 kept, losing numba's ratio)."""
+    script = {"torch": [8.0, 16.0, None], "numba": [16.0, 16.0, 16.0],
+              "other": [16.0, 8.0 * 1.5, 16.0]}
+    rows, again, _ = _bench_rounds(monkeypatch, script)
+    assert _row(rows, "numba")["round"] == 2
+    assert _row(rows, "numba")["vs_torch"] == pytest.approx(2.0)
+    assert _row(rows, "torch")["reliable"]
+
+
+@pytest.mark.parametrize("script, turns", [
+    # no torch: nothing to compare with, one round
+    ({"numba": [16.0], "other": [8.0]}, {"numba": 1, "other": 1}),
+    # the row without a ratio is of a process that stopped after it: no round for it
+    ({"torch": [8.0, 8.0], "numba": [8.0, 8.0], "other": [16.0, None]},
+     {"torch": 2, "numba": 2, "other": 2}),
+    # torch stopped: no round can give a ratio
+    ({"torch": [8.0, None], "numba": [16.0, 16.0]}, {"torch": 2, "numba": 2}),
+])
+def test_no_round_is_taken_again_for_nothing(monkeypatch, script, turns):
+    rows, again, took = _bench_rounds(monkeypatch, script)
+    assert took == turns, again
+    assert len(again) == max(turns.values()) - 1
+    assert all(r["round"] == 1 for r in rows)
 
 
 def test_a_process_that_stopped_keeps_what_it_measured_before(monkeypatch):
