@@ -35,7 +35,7 @@ time: the machine is shared and noisy, so the bench guards its own numbers:
   only where the two baselines agree within UNRELIABLE_SPREAD (see compare_to_torch),
   each pair from one round of turns; where a reliable row of a backend still running
   has no ratio, while torch runs, every backend still running takes that measurement
-  again, up to ROUNDS rounds in all, and the results keep the round that said most
+  again, up to ROUNDS rounds in all, and the results keep the round that measured most
   (_kept; the record's `round` says which; the others' lines were printed as they were
   measured): copies of a few MB, which run in the last-level cache, were seen 20%
   apart between two processes' turns a second apart (the VM's neighbours), and most
@@ -280,13 +280,14 @@ def compare_to_torch(rows: list[dict]) -> None:
     faster copy; no number then, `vs_torch_note` says why, as it does where torch's row
     was timed but has no number itself."""
     torch_rows = {_key(r): r for r in rows if r["backend"] == "torch"
-                  and r["variant"] == "prepared" and r.get("ms") is not None}
+                  and r["variant"] == "prepared"}
     for r in rows:
         t = torch_rows.get(_key(r))
         if t is None or not (r.get("reliable") and r.get("of_copy")):
             continue
         if not (t.get("reliable") and t.get("of_copy")):
-            r["vs_torch_note"] = f"no x torch: torch's prepared row has no number ({t['error']})"
+            has = "no number" if t.get("ms") is not None else "no time"
+            r["vs_torch_note"] = f"no x torch: torch's prepared row has {has} ({t['error']})"
             continue
         apart = max(r["copy_gbps"], t["copy_gbps"]) / min(r["copy_gbps"], t["copy_gbps"]) - 1
         if apart > UNRELIABLE_SPREAD:
@@ -311,27 +312,28 @@ def _rank(r: dict) -> int:
 def _kept(rounds: list[list[dict]]) -> list[dict]:
     """The rows of one measurement taken in `rounds` of turns (each round's compared with
     torch's of that round) that the results keep: one round's, so that every ratio is
-    between rows shown side by side. A later round replaces the kept one only where no
-    backend's row says less in it (_rank) and one says more: a round in which a process
-    stopped, or a copy moved, never takes away what an earlier round measured."""
-    kept = rounds[0]
-    for rows in rounds[1:]:
-        old = {(r["backend"], r["variant"]): _rank(r) for r in kept}
-        new = {(r["backend"], r["variant"]): _rank(r) for r in rows}
-        if all(new[k] >= old[k] for k in old) and any(new[k] > old[k] for k in old):
-            kept = rows
-    return kept
+    between rows shown side by side; the round with the most rows that have a time, then
+    the one whose rows say most (the sum of _rank), the earliest of equals. So a round in
+    which a process stopped or a copy moved does not replace one that measured more."""
+    return max(rounds, key=lambda rows: (sum(r.get("ms") is not None for r in rows),
+                                         sum(_rank(r) for r in rows)))
 
 
 def _worth_again(rows: list[dict], running: set[str]) -> str:
     """Why another round may give `rows` (the kept round of a measurement) a ratio they
-    lack: a reliable row without one, of a backend still running, torch running too; ""
-    when there is none."""
-    if "torch" not in running:
+    lack: a reliable row without one, of a backend still running; "" when there is none,
+    or when no round could be kept instead: torch has stopped, or its prepared row has
+    no time (the same failure again), or a stopped backend has a time in `rows` (every
+    later round would lack it)."""
+    if "torch" not in running or any(
+            r.get("ms") is None for r in rows
+            if r["backend"] == "torch" and r["variant"] == "prepared"):
+        return ""
+    if any(r.get("ms") is not None and r["backend"] not in running for r in rows):
         return ""
     for r in rows:
         if _rank(r) == 2 and r["backend"] in running:
-            return f"{r['backend']} {r['variant']}: {r['vs_torch_note']}"
+            return f"{r['backend']} {r['variant']} (round {r['round']}): {r['vs_torch_note']}"
     return ""
 
 

@@ -180,7 +180,8 @@ def test_a_moved_baseline_is_measured_again(monkeypatch):
 class _ScriptedWorker:
     """A bench process whose copies run at the GB/s its script gives, turn after turn:
     `script[name]` lists, per turn, the copy's speed (before and after alike) or a pair
-    (before, after), or None for a turn in which the process stops. Its kernel takes as
+    (before, after), "err" for a measurement that raised (no time), or None for a turn
+    in which the process stops. Its kernel takes as
     long as the copy (torch's twice as long): 2x torch wherever the two agree.
     `made` keeps every process made, to count the turns each took."""
 
@@ -209,6 +210,10 @@ class _ScriptedWorker:
         self.turn += 1
         if speed is None:
             return Outcome("timeout", 0)
+        if speed == "err":
+            for item in group:
+                on_record(dict(bench._record(self.name, item), error="MemoryError: scripted"))
+            return Outcome("done", len(group))
         before, after = speed if isinstance(speed, tuple) else (speed, speed)
         for item in group:
             copy_s = [8 * MB / (before * 1e9)], [8 * MB / (after * 1e9)]
@@ -259,8 +264,8 @@ def test_a_measurement_whose_copies_disagree_across_processes_is_taken_again(
     assert numba["reliable"] and numba["vs_torch"] == (pytest.approx(vs_torch) if vs_torch else None)
     if vs_torch is None:
         assert "no x torch" in numba["vs_torch_note"]
-        assert "numba prepared: no x torch: the copy of the same bytes ran at 16.0 GB/s in this " \
-               "process and 8.0 GB/s in torch's" in again[0]
+        assert "numba prepared (round 1): no x torch: the copy of the same bytes ran at 16.0 " \
+               "GB/s in this process and 8.0 GB/s in torch's" in again[0]
     if isinstance(script["torch"][0], tuple):
         assert "torch's prepared row has no number (unreliable: the copy baseline moved" in again[0]
 
@@ -282,13 +287,33 @@ def test_a_round_that_measured_less_never_replaces_an_earlier_one(monkeypatch, s
 
 def test_a_round_where_one_backend_gains_a_ratio_and_another_loses_its_number(monkeypatch):
     """Round 2 gives numba its ratio but other's process stops: round 1 is kept, with
-    other's number and ratio (a second review: keeping round 2 lost them)."""
+    other's number and ratio (a second review: keeping round 2 lost them), and no third
+    round is taken, which could not be kept either (a third review)."""
     script = {"torch": [8.0, 16.0, 16.0], "numba": [16.0, 16.0, 16.0], "other": [8.0, None]}
     rows, again, turns = _bench_rounds(monkeypatch, script)
     other = _row(rows, "other")
     assert other["round"] == 1 and other["reliable"] and other["vs_torch"] == pytest.approx(2.0)
     assert _row(rows, "numba")["vs_torch"] is None
-    assert turns == {"torch": 3, "numba": 3, "other": 2} and len(again) == 2
+    assert turns == {"torch": 2, "numba": 2, "other": 2} and len(again) == 1
+
+
+@pytest.mark.parametrize("numba, other, vs_torch", [
+    # round 2 compares numba with torch while other's copy moves
+    (["err", 8.0, 8.0], [16.0, (16.0, 8.0), 16.0], 2.0),
+    # round 2 only times numba, unreliably, and other's copy moves: no rank gained in sum,
+    # but a row timed that round 1 had not
+    (["err", (16.0, 8.0), (16.0, 8.0)], [16.0, (16.0, 8.0), (16.0, 8.0)], None),
+])
+def test_a_later_round_that_timed_a_row_the_first_could_not_is_kept(
+        monkeypatch, numba, other, vs_torch):
+    """numba's first measurement raised; round 2 times it while other's copy moves:
+    round 2 is kept, the one with every row timed (a third review: round 1 was kept,
+    numba with no time at all)."""
+    rows, again, _ = _bench_rounds(monkeypatch, {"torch": [8.0] * 3, "numba": numba,
+                                                 "other": other})
+    assert all(r["round"] == 2 for r in rows), rows
+    assert _row(rows, "numba")["ms"] is not None and _row(rows, "other")["ms"] is not None
+    assert _row(rows, "numba")["vs_torch"] == (pytest.approx(vs_torch) if vs_torch else None)
 
 
 def test_torch_stopping_in_a_later_round_keeps_the_ratios_of_an_earlier_one(monkeypatch):
@@ -311,12 +336,18 @@ def test_torch_stopping_in_a_later_round_keeps_the_ratios_of_an_earlier_one(monk
      {"torch": 2, "numba": 2, "other": 2}),
     # torch stopped: no round can give a ratio
     ({"torch": [8.0, None], "numba": [16.0, 16.0]}, {"torch": 2, "numba": 2}),
+    # torch's prepared row failed: the same again would not help
+    ({"torch": ["err"], "numba": [16.0]}, {"torch": 1, "numba": 1}),
 ])
 def test_no_round_is_taken_again_for_nothing(monkeypatch, script, turns):
     rows, again, took = _bench_rounds(monkeypatch, script)
     assert took == turns, again
     assert len(again) == max(turns.values()) - 1
-    assert all(r["round"] == 1 for r in rows)
+    assert all(r["round"] == 1 for r in rows if r["ms"] is not None)
+    numba = _row(rows, "numba")
+    if script.get("torch") == ["err"]:
+        assert numba["vs_torch_note"] == (
+            "no x torch: torch's prepared row has no time (MemoryError: scripted)")
 
 
 def test_a_process_that_stopped_keeps_what_it_measured_before(monkeypatch):
