@@ -91,12 +91,11 @@ def scratch_rows(n: int, d: int, dtypes) -> list[np.ndarray]:
     kernels update together element by element: every row starts on a ROW_ALIGN-byte
     boundary (d' is d rounded up to whole ROW_ALIGN bytes; the kernels use the first d),
     and the k arrays start PAGE / k bytes apart modulo PAGE (rounded down to whole
-    ROW_ALIGN bytes). Unaligned, every vector
-    access to them spans two cache lines; at the same address modulo PAGE, the load of
-    one waits for the store to the other (a CPU first compares a load's low 12 address
-    bits with the stores in flight). The [256, 1000] float32 backward took 92 us with
-    unaligned rows and 111 us with aligned ones 4 KB apart, 58-61 us laid out so (two
-    threads, one process)."""
+    ROW_ALIGN bytes). Unaligned, every vector access to them spans two cache lines; at
+    the same address modulo PAGE, the load of one waits for the store to the other (a
+    CPU first compares a load's low 12 address bits with the stores in flight). The
+    [256, 1000] float32 backward took 92 us with unaligned rows and 111 us with aligned
+    ones 4 KB apart, 58-61 us laid out so (two threads, one process)."""
     step = PAGE // len(dtypes) // ROW_ALIGN * ROW_ALIGN
     layout, end = [], 0
     for dtype in dtypes:
