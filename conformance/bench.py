@@ -34,12 +34,12 @@ time: the machine is shared and noisy, so the bench guards its own numbers:
   only, as the ratio of their fractions of copy, each against its own baseline, and
   only where the two baselines agree within UNRELIABLE_SPREAD (see compare_to_torch),
   each pair from one round of turns; where a reliable row of a backend still running
-  has no ratio, while torch runs, every backend still running takes that measurement
-  again, up to ROUNDS rounds in all, and the results keep the round that measured most
-  (_kept; the record's `round` says which; the others' lines were printed as they were
-  measured): copies of a few MB, which run in the last-level cache, were seen 20%
-  apart between two processes' turns a second apart (the VM's neighbours), and most
-  small shapes had no "x torch".
+  has no ratio, while torch runs and its row was timed, every backend still running
+  takes that measurement again (see _worth_again), up to ROUNDS rounds in all, and the
+  results keep the round that measured most (_kept; the record's `round` says which;
+  the others' lines were printed as they were measured): copies of a few MB, which run
+  in the last-level cache, were seen 20% apart between two processes' turns a second
+  apart (the VM's neighbours), and most small shapes had no "x torch".
 
 Bytes counted: forward reads x and writes y (2 N D s); forward+backward also reads x and
 g and writes dx (5 N D s in all); the parameter vectors are negligible.
@@ -321,10 +321,11 @@ def _kept(rounds: list[list[dict]]) -> list[dict]:
 
 def _worth_again(rows: list[dict], running: set[str]) -> str:
     """Why another round may give `rows` (the kept round of a measurement) a ratio they
-    lack: a reliable row without one, of a backend still running; "" when there is none,
-    or when no round could be kept instead: torch has stopped, or its prepared row has
-    no time (the same failure again), or a stopped backend has a time in `rows` (every
-    later round would lack it)."""
+    lack: a reliable row without one, of a backend still running. "" when there is none,
+    and also when: torch has stopped, or its prepared row has no time (no ratio without
+    it, and its failures, unsupported or no prepare_benchmark, repeat), or a stopped
+    backend has a time in `rows` (a later round could only be kept by trading that time
+    away for others', which the bench does not do)."""
     if "torch" not in running or any(
             r.get("ms") is None for r in rows
             if r["backend"] == "torch" and r["variant"] == "prepared"):
