@@ -307,17 +307,20 @@ def _add_into(a, b, a2, b2):
 
 
 @jit_strict
-def bwd(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks, fmt, centre):
-    """The backward in chunks of rows, one per thread: float64 partial dgamma/dbeta per
-    chunk, added in chunk order into dw_part[0] and db_part[0] once all are done (the
-    caller rounds them once); dw32/db32 are float32 scratch rows, one per chunk, that
-    the caller allocates with the outputs, as many as n_chunks or more. Those per-chunk
-    rows may be longer than d (padded so that each starts on a cache line): the kernel
-    uses the first d. w is float64 for float64 rows, float32 otherwise; fmt: 0 float16,
-    1 bfloat16 (16-bit rows only). The zeroing and the final sums are here rather than
-    NumPy calls around the kernel: at [256, 1000] float32 the backward then took 58 us
-    instead of 69 (one process, same bits)."""
+def bwd(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, fmt, centre):
+    """The backward in chunks of rows, one per row of dw_part (one per thread, as the
+    caller allocates them: the chunks are counted from the buffers, so there is never
+    one without its row; a count passed beside them, made for another thread count, once
+    wrote past them): float64 partial dgamma/dbeta per chunk, added in chunk order into
+    dw_part[0] and db_part[0] once all are done (the caller rounds them once); dw32/db32
+    are float32 scratch rows, as many. Those per-chunk rows may be longer than d (padded
+    so that each starts on a cache line): the kernel uses the first d. w is float64 for
+    float64 rows, float32 otherwise; fmt: 0 float16, 1 bfloat16 (16-bit rows only). The
+    zeroing and the final sums are here rather than NumPy calls around the kernel: at
+    [256, 1000] float32 the backward then took 58 us instead of 69 (one process, same
+    bits)."""
     rows, d = x.shape
+    n_chunks = dw_part.shape[0]
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         r0, r1 = c * per, min(rows, (c + 1) * per)

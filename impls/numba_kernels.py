@@ -231,9 +231,7 @@ class NumbaBackend(Backend):
             self.k["bwd_cols"](xr, w, g, mean, rstd, dx, dw_part[0, :d], db_part[0, :d],
                                means, fmt, centre)
         else:
-            # one chunk per partial row made: never more (made for another thread count)
-            self.k["bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32,
-                          dw_part.shape[0], fmt, centre)
+            self.k["bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, fmt, centre)
         return dx, dw_part[0, :d], db_part[0, :d]
 
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):

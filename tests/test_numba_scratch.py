@@ -1,7 +1,7 @@
 """The numba backward's per-chunk scratch rows (numba_kernels.scratch_rows): each row
-starts on a cache line and the arrays sit apart modulo a page, and the kernel only ever
-uses as many chunks as rows were made (a prepared callable made under one thread count
-and called under another once wrote past its buffers)."""
+starts on a cache line and the arrays sit apart modulo a page, and the kernel counts its
+chunks from them (a prepared callable made under one thread count and called under
+another once wrote past its buffers)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,16 @@ def test_scratch_rows_are_aligned_staggered_and_disjoint(n, d, dtypes):
 
 
 def test_a_prepared_backward_uses_only_the_chunks_it_made(monkeypatch):
-    """The callable is made while one chunk is planned and called while three are: the
-    kernel must get the one chunk its buffers have (it does not check bounds)."""
+    """The callable is made while one chunk is planned and called while three are. The
+    kernel counts its chunks from its buffers, so it has no count of its own to get
+    wrong (it does not check bounds: a count passed beside the buffers, made for the
+    call's thread count, once wrote past them), and gets the buffers made at first."""
+    import inspect
+
+    from normspec.impls._numba_backward import bwd
+
+    assert "n_chunks" not in inspect.signature(bwd.py_func).parameters, (
+        "the chunked backward takes a chunk count beside its per-chunk buffers")
     backend = numba_kernels.make_backend()
     rng = np.random.default_rng(0)
     x = rng.standard_normal((96, 40)).astype(np.float32)
@@ -49,18 +57,22 @@ def test_a_prepared_backward_uses_only_the_chunks_it_made(monkeypatch):
     calls = []
     kernel = backend.k["bwd"]
 
-    def checked(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks, *rest):
-        calls.append((n_chunks, dw_part.shape[0], dw32.shape[0]))
-        return kernel(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, n_chunks, *rest)
+    def checked(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, *rest):
+        calls.append([a.shape[0] for a in (dw_part, db_part, dw32, db32)])
+        out = kernel(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, *rest)
+        calls[-1].append(dx.copy())
+        return out
 
     monkeypatch.setitem(backend.k, "bwd", checked)
     monkeypatch.setattr(numba_kernels, "_chunks", lambda rows: 1)
     run = backend.prepare_benchmark("layer_norm", x, (40,), w, b, 1e-5, g)
     monkeypatch.setattr(numba_kernels, "_chunks", lambda rows: 3)
     run()
-    assert calls and all(n <= min(rows) for n, *rows in calls), (
-        f"got (chunks, partial rows, float32 rows) = {calls}, but the kernel may use no more "
-        "chunks than the buffers have rows")
+    assert [c[:4] for c in calls] == [[1, 1, 1, 1]], (
+        f"got per-chunk buffers of {[c[:4] for c in calls]} rows, but the prepared callable "
+        "made one chunk's")
+    expected = backend.layer_norm(x, (40,), w, b, 1e-5, g).grad_input
+    assert np.array_equal(calls[0][4].view(np.uint8), expected.view(np.uint8))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
