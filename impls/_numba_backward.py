@@ -117,15 +117,38 @@ def _means(xr, wr, gr, mean, rstd, centre, lanes, cv, ct):
 
 
 @strict_inline
+def _element(xr, gr, wr, j, m, s, mh, mhx, cv):
+    """Element j of a row: its dx (not yet encoded), its dbeta term g and its dgamma term
+    g x_hat. Every layout computes dx through here, so a row's dx has the same bits in
+    each."""
+    gv = cv(gr[j])
+    xh = (cv(xr[j]) - m) * s
+    return s * (gv * wr[j] - mh - xh * mhx), gv, gv * xh
+
+
+@strict_inline
 def _span(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr, cv, enc):
     """dx over a span of a row (the whole row, or a tile of it), and the span's dgamma
     and dbeta terms added to dwr, dbr."""
     for j in range(xr.shape[0]):
-        gv = cv(gr[j])
-        xh = (cv(xr[j]) - m) * s
-        dxr[j] = enc(s * (gv * wr[j] - mh - xh * mhx))
-        dwr[j] += gv * xh
+        v, gv, t = _element(xr, gr, wr, j, m, s, mh, mhx, cv)
+        dxr[j] = enc(v)
+        dwr[j] += t
         dbr[j] += gv
+
+
+@strict_inline
+def _pair(x0, g0, x1, g1, w, sc, dx0, dx1, dw, db, cv, enc):
+    """dx of two rows over a tile (sc: each row's mean, 1/std, mean(h), mean(h x_hat)),
+    and dw, db = the sums of their dgamma/dbeta terms, added in float64 in row order as
+    _span adds them, rounded to dw's dtype: one pass, each sum stored once."""
+    for j in range(w.shape[0]):
+        v0, b0, t0 = _element(x0, g0, w, j, sc[0], sc[1], sc[2], sc[3], cv)
+        v1, b1, t1 = _element(x1, g1, w, j, sc[4], sc[5], sc[6], sc[7], cv)
+        dx0[j] = enc(v0)
+        dx1[j] = enc(v1)
+        dw[j] = (0.0 + np.float64(t0)) + np.float64(t1)
+        db[j] = (0.0 + np.float64(b0)) + np.float64(b1)
 
 
 @strict_inline
@@ -260,6 +283,26 @@ def span_bf16(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr):
     _span(xr, gr, wr, m, s, mh, mhx, dxr, dwr, dbr, decode_bf16, encode_bf16)
 
 
+@strict
+def pair_f64(x0, g0, x1, g1, w, sc, dx0, dx1, dw, db):
+    _pair(x0, g0, x1, g1, w, sc, dx0, dx1, dw, db, to_f64, to_f64)
+
+
+@strict
+def pair_f32(x0, g0, x1, g1, w, sc, dx0, dx1, dw, db):
+    _pair(x0, g0, x1, g1, w, sc, dx0, dx1, dw, db, as_f32, as_f32)
+
+
+@strict
+def pair_f16(x0, g0, x1, g1, w, sc, dx0, dx1, dw, db):
+    _pair(x0, g0, x1, g1, w, sc, dx0, dx1, dw, db, decode_f16, encode_f16)
+
+
+@strict
+def pair_bf16(x0, g0, x1, g1, w, sc, dx0, dx1, dw, db):
+    _pair(x0, g0, x1, g1, w, sc, dx0, dx1, dw, db, decode_bf16, encode_bf16)
+
+
 def _of(by_format):
     """A dispatcher over `by_format` (float64, float32, float16, bfloat16 functions),
     chosen by the rows' dtype when compiling (a float16 function cannot even be typed
@@ -287,6 +330,7 @@ def _of(by_format):
 chunk_of = _of((chunk_f64, chunk_f32, chunk_f16, chunk_bf16))
 means_of = _of((means_f64, means_f32, means_f16, means_bf16))
 span_of = _of((span_f64, span_f32, span_f16, span_bf16))
+pair_of = _of((pair_f64, pair_f32, pair_f16, pair_bf16))
 
 
 @strict
@@ -331,11 +375,20 @@ def bwd(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, fmt, centre):
         _add_into(dw_part[0, :d], db_part[0, :d], dw_part[c, :d], db_part[c, :d])
 
 
+def sums_dtype(rows: int, dtype) -> type:
+    """The dtype bwd_cols writes dgamma/dbeta of `rows` rows of `dtype` in: float32 for
+    two float32 or 16-bit rows, whose sums it writes once, rounded (the float64 sums of
+    two wide rows are more bytes than the rows: [2, 2^20] float32 took 1.2x as long);
+    float64 otherwise, where the outputs hold the sums while rows are added."""
+    return np.float32 if rows == 2 and np.dtype(dtype) != np.float64 else np.float64
+
+
 @jit_strict
 def bwd_cols(x, w, g, mean, rstd, dx, dw, db, means, fmt, centre):
     """The backward for few rows: means() of every row (into `means`, [rows, 4] of the
-    compute dtype), then dx and the dgamma/dbeta sums (float64, written once into dw,
-    db) tile by tile of TILE columns."""
+    compute dtype), then dx and the dgamma/dbeta sums tile by tile of TILE columns,
+    written into dw, db (of sums_dtype): two rows in one pass (_pair), more row by row
+    into the tile of dw, db, which stays in L1."""
     rows, d = x.shape
     for r in prange(rows):
         means[r, 0], means[r, 1], means[r, 2], means[r, 3] = means_of(
@@ -343,6 +396,12 @@ def bwd_cols(x, w, g, mean, rstd, dx, dw, db, means, fmt, centre):
     for t in prange((d + TILE - 1) // TILE):
         j0, j1 = t * TILE, min(d, (t + 1) * TILE)
         dwt, dbt, wt = dw[j0:j1], db[j0:j1], w[j0:j1]
+        if rows == 2:
+            sc = (means[0, 0], means[0, 1], means[0, 2], means[0, 3],
+                  means[1, 0], means[1, 1], means[1, 2], means[1, 3])
+            pair_of(fmt, x[0, j0:j1], g[0, j0:j1], x[1, j0:j1], g[1, j0:j1], wt, sc,
+                    dx[0, j0:j1], dx[1, j0:j1], dwt, dbt)
+            continue
         dwt[:] = 0.0
         dbt[:] = 0.0
         for r in range(rows):

@@ -110,14 +110,20 @@ def scratch_rows(n: int, d: int, dtypes) -> list[np.ndarray]:
             .view(dtype).reshape(n, per_row) for start, dtype, per_row in layout]
 
 
-def _bwd_out(xr):
-    """The backward's outputs: dx (bits for 16-bit rows), float64 dgamma/dbeta per chunk,
-    and the float32 scratch rows the float32-compute kernel sums a few rows in before
-    adding them (never touched, so never paged in, for float64 rows); the per-chunk rows
-    laid out by scratch_rows, one per thread."""
-    n_chunks, d = _chunks(xr.shape[0]), xr.shape[1]
-    return (np.empty_like(xr),
-            *scratch_rows(n_chunks, d, (np.float64, np.float64, np.float32, np.float32)))
+def _bwd_out(xr, column_rows, sums_dtype):
+    """The backward's outputs: dx (bits for 16-bit rows), then for `column_rows` or more
+    rows (bwd) float64 dgamma/dbeta per chunk, one per thread, and the float32 rows the
+    float32-compute kernel sums a few rows in before adding them (never touched, so never
+    paged in, for float64 rows), laid out by scratch_rows; for fewer (bwd_cols) dgamma
+    and dbeta themselves, of the dtype `sums_dtype(rows, dtype)` gives (laid out so
+    too: the kernel's vectors of them then never span two cache lines)."""
+    rows, d = xr.shape
+    dx = np.empty_like(xr)
+    if rows < column_rows:
+        dw, db = scratch_rows(1, d, (sums_dtype(rows, xr.dtype),) * 2)
+        return dx, dw[0, :d], db[0, :d]
+    return (dx, *scratch_rows(_chunks(rows), d, (np.float64, np.float64, np.float32,
+                                                  np.float32)))
 
 
 def _param(p, d, ct, fill):
@@ -188,10 +194,11 @@ class NumbaBackend(Backend):
             raise BackendUnavailable(f"numba is not installed: {_IMPORT_ERROR}")
         self.version = numba.__version__
         self.k = _kernels()
-        from ._numba_backward import COLUMN_ROWS
+        from ._numba_backward import COLUMN_ROWS, sums_dtype
 
-        #: Fewer rows than this take the column-tiled backward (_numba_backward).
-        self.column_rows = COLUMN_ROWS
+        #: Fewer rows than this take the column-tiled backward (_numba_backward), which
+        #: writes dgamma/dbeta in the dtype sums_dtype gives.
+        self.column_rows, self.sums_dtype = COLUMN_ROWS, sums_dtype
 
     def compile_seconds(self) -> float:
         from ._numba_jit import COMPILING
@@ -221,17 +228,19 @@ class NumbaBackend(Backend):
     def _backward(self, op, xr, w, g, mean, rstd, fmt=None, out=None):
         """dx, dgamma, dbeta of rows `xr` (16-bit rows as their patterns, fmt 0 float16,
         1 bfloat16; fmt None otherwise), computed as _numba_backward says; `out` as
-        _bwd_out makes it. Both kernels leave the final float64 dgamma/dbeta in the first
-        of the partial rows (few rows take bwd_cols, see _numba_backward.COLUMN_ROWS)."""
-        dx, dw_part, db_part, dw32, db32 = out if out is not None else _bwd_out(xr)
-        centre, fmt, d = op == "layer_norm", -1 if fmt is None else fmt, xr.shape[1]
-        if xr.shape[0] < self.column_rows:
-            means = np.empty((xr.shape[0], 4), np.float64 if xr.dtype == np.float64
-                             else np.float32)
-            self.k["bwd_cols"](xr, w, g, mean, rstd, dx, dw_part[0, :d], db_part[0, :d],
-                               means, fmt, centre)
-        else:
-            self.k["bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, fmt, centre)
+        _bwd_out makes it. bwd leaves the final float64 dgamma/dbeta in the first of its
+        partial rows; few rows take bwd_cols (see _numba_backward.COLUMN_ROWS)."""
+        rows, d = xr.shape
+        dx, *sums = out if out is not None else _bwd_out(xr, self.column_rows,
+                                                          self.sums_dtype)
+        centre, fmt = op == "layer_norm", -1 if fmt is None else fmt
+        if rows < self.column_rows:
+            dw, db = sums
+            means = np.empty((rows, 4), np.float64 if xr.dtype == np.float64 else np.float32)
+            self.k["bwd_cols"](xr, w, g, mean, rstd, dx, dw, db, means, fmt, centre)
+            return dx, dw, db
+        dw_part, db_part, dw32, db32 = sums
+        self.k["bwd"](xr, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, fmt, centre)
         return dx, dw_part[0, :d], db_part[0, :d]
 
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):
@@ -325,7 +334,7 @@ class NumbaBackend(Backend):
         if not backward:
             return forward
         g = _bits(grad_output, d) if half else _rows(grad_output, d, ct)
-        bwd_out = _bwd_out(xr)
+        bwd_out = _bwd_out(xr, self.column_rows, self.sums_dtype)
 
         def forward_backward():
             _, mean, rstd = forward()
