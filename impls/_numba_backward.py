@@ -9,8 +9,9 @@ the row sums in float64 lanes (fed by short float32 partial sums, see _numba_lan
 
 Two layouts: rows in contiguous chunks, one per thread, each chunk keeping partial
 dgamma/dbeta sums (`bwd`); and, for fewer than COLUMN_ROWS rows, the row sums of every
-row first, then dx and dgamma/dbeta tile by tile of columns (`bwd_cols`), which writes
-the final sums once. A row's dx has the same bits in both, whatever the batch: both
+row first, then dx and dgamma/dbeta tile by tile of columns (`bwd_cols`; two rows in one
+pass over each tile, which stores each sum once, see sums_dtype). A row's dx has the
+same bits in both, whatever the batch (every layout computes it through _element): both
 kernels and all they call are compiled strict (no fast-math flag, so LLVM may not
 reassociate a sum or contract a product into an FMA, either of which it had done in one
 layout's loop and not in the other's, and no two codings of a loop can differ). None of
@@ -379,7 +380,10 @@ def sums_dtype(rows: int, dtype) -> type:
     """The dtype bwd_cols writes dgamma/dbeta of `rows` rows of `dtype` in: float32 for
     two float32 or 16-bit rows, whose sums it writes once, rounded (the float64 sums of
     two wide rows are more bytes than the rows: [2, 2^20] float32 took 1.2x as long);
-    float64 otherwise, where the outputs hold the sums while rows are added."""
+    float64 otherwise, where the outputs hold the sums while rows are added. The float32
+    rounding is one rounding in the compute precision, which the 'param_gradient' row of
+    the tolerance table allows many times over; the caller rounds 16-bit rows' sums once
+    more, to their dtype."""
     return np.float32 if rows == 2 and np.dtype(dtype) != np.float64 else np.float64
 
 
