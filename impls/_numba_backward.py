@@ -11,14 +11,16 @@ Two layouts: rows in contiguous chunks, one per thread, each chunk keeping parti
 dgamma/dbeta sums (`bwd`); and, for fewer than COLUMN_ROWS rows, the row sums of every
 row first, then dx and dgamma/dbeta tile by tile of columns (`bwd_cols`; two rows in one
 pass over each tile, which stores each sum once, see sums_dtype). A row's dx has the
-same bits in both, whatever the batch (every layout computes it through _element): both
-kernels and all they call are compiled strict (no fast-math flag, so LLVM may not
+same bits in both, whatever the batch: every layout computes it through _element, and
+both kernels and all they call are compiled strict (no fast-math flag, so LLVM may not
 reassociate a sum or contract a product into an FMA, either of which it had done in one
-layout's loop and not in the other's, and no two codings of a loop can differ). None of
-it needs fast-math to vectorize: the row sums are LANES partial sums added in a fixed
-order (_numba_lanes), the rest is elementwise. The per-format functions below are the
-same code compiled once per element format (a function passed to a compiled, not
-inlined, function would make it uncacheable)."""
+layout's loop and not in the other's, and no two codings of a loop can differ). A NaN's
+sign and payload are the exception: which of two NaN operands x86 passes on depends on
+the operand order LLVM picks, which IEEE 754 leaves open (tests/test_numba_batch_bits.py
+checks that NaN stays NaN in the same places). None of it needs fast-math to vectorize:
+the row sums are LANES partial sums added in a fixed order (_numba_lanes), the rest is
+elementwise. The per-format functions below are the same code compiled once per element
+format (a function passed to a compiled, not inlined, function would make it uncacheable)."""
 
 import math
 
@@ -37,6 +39,10 @@ from ._numba_rows import decode_bf16, decode_f16, encode_bf16, encode_f16
 COLUMN_ROWS = 64
 #: Columns per tile of bwd_cols: its dgamma/dbeta sums stay in L1.
 TILE = 512
+#: bwd_cols takes a batch of this many rows in one pass over each tile (_pair), and
+#: writes their dgamma/dbeta sums once, in float32 for float32 and 16-bit rows
+#: (sums_dtype); other row counts row by row, into float64 sums.
+PAIR_ROWS = 2
 #: Rows whose dgamma/dbeta terms 16-bit rows sum in float32 before they are added to the
 #: float64 partial sums: 32 roundings of 2^-24 are 2^-19, far below a 16-bit ulp.
 FLUSH_ROWS = 32
@@ -378,13 +384,19 @@ def bwd(x, w, g, mean, rstd, dx, dw_part, db_part, dw32, db32, fmt, centre):
 
 def sums_dtype(rows: int, dtype) -> type:
     """The dtype bwd_cols writes dgamma/dbeta of `rows` rows of `dtype` in: float32 for
-    two float32 or 16-bit rows, whose sums it writes once, rounded (the float64 sums of
-    two wide rows are more bytes than the rows: [2, 2^20] float32 took 1.2x as long);
-    float64 otherwise, where the outputs hold the sums while rows are added. The float32
-    rounding is one rounding in the compute precision, which the 'param_gradient' row of
-    the tolerance table allows many times over; the caller rounds 16-bit rows' sums once
-    more, to their dtype."""
-    return np.float32 if rows == 2 and np.dtype(dtype) != np.float64 else np.float64
+    PAIR_ROWS float32 or 16-bit rows, whose sums it writes once, rounded (the float64
+    sums of two wide rows are more bytes than the rows: [2, 2^20] float32 took 1.2x as
+    long); float64 otherwise, where the outputs hold the sums while rows are added.
+    For 16-bit rows the caller rounds these float32 sums once more, to their dtype, as a
+    kernel that computes in float32 does: the first rounding is one in the compute
+    precision (at most u_32 of the sum, 2^-13 of a float16 ULP), which the growth term
+    of the 'param_gradient' row covers (at least 4 u_32 of the sum of |terms|), and it
+    can turn a float16 midpoint into a tie (found by a review: 1 + 2^-11 + 2^-48 gave
+    1.0, not 1.001; about one element in 11,000 of random float16 rows moves by 1 ULP).
+    Rounding to odd instead, which makes the two roundings one, cost 15% of the
+    [2, 2^20] float16/bfloat16 forward+backward (measured), as much as float32 sums
+    gained there."""
+    return np.float32 if rows == PAIR_ROWS and np.dtype(dtype) != np.float64 else np.float64
 
 
 @jit_strict
@@ -400,7 +412,7 @@ def bwd_cols(x, w, g, mean, rstd, dx, dw, db, means, fmt, centre):
     for t in prange((d + TILE - 1) // TILE):
         j0, j1 = t * TILE, min(d, (t + 1) * TILE)
         dwt, dbt, wt = dw[j0:j1], db[j0:j1], w[j0:j1]
-        if rows == 2:
+        if rows == PAIR_ROWS:
             sc = (means[0, 0], means[0, 1], means[0, 2], means[0, 3],
                   means[1, 0], means[1, 1], means[1, 2], means[1, 3])
             pair_of(fmt, x[0, j0:j1], g[0, j0:j1], x[1, j0:j1], g[1, j0:j1], wt, sc,

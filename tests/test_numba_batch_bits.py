@@ -107,3 +107,33 @@ def test_column_layout_dgamma_dbeta_are_the_sums(backend, op, dtype, rows):
     if op == "layer_norm":
         np.testing.assert_allclose(np.asarray(res.grad_bias, np.float64), g64.sum(0),
                                    rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dx_nan_and_inf_in_the_same_places_in_both_layouts(backend, monkeypatch, op, dtype):
+    """Rows with inf in x and NaN in g: dx is NaN in the same places, and has the same bits
+    elsewhere, alone, in two rows (the pair pass) and in a batch of COLUMN_ROWS rows.
+    (Only a NaN's sign and payload may differ: see _numba_backward.)"""
+    npdt = dtype_of(dtype)
+    rng = np.random.default_rng(13)
+    d, batch = 37, COLUMN_ROWS + 3
+    x = (rng.standard_normal((batch, d)) * 3 + 1).astype(npdt)
+    g = rng.standard_normal((batch, d)).astype(npdt)
+    x[3, 2], g[3, 5], g[4, 0], x[5, 9] = np.inf, np.nan, np.nan, -np.inf
+    w = (1 + rng.standard_normal(d) / 4).astype(npdt)
+    b = rng.standard_normal(d).astype(npdt)
+    calls = _counting(backend, monkeypatch)
+    whole = np.asarray(_run(backend, op, x, w, b, g).grad_input)
+    for i, n in ((3, 1), (2, 2), (4, 2), (1, 3)):
+        got = np.asarray(_run(backend, op, x[i:i + n], w, b, g[i:i + n]).grad_input)
+        expected = whole[i:i + n]
+        assert np.array_equal(np.isnan(got), np.isnan(expected)), (
+            f"dx of rows {i}..{i + n} alone is NaN at {np.argwhere(np.isnan(got)).tolist()[:4]}"
+            f", in the batch at {np.argwhere(np.isnan(expected)).tolist()[:4]} ({dtype} {op})")
+        keep = ~np.isnan(expected)
+        assert np.array_equal(got[keep].view(np.uint8), expected[keep].view(np.uint8)), (
+            f"dx of rows {i}..{i + n} alone differs from the batch where it is not NaN "
+            f"({dtype} {op})")
+    assert calls == {"bwd": 1, "bwd_cols": 4}, calls
+
