@@ -110,22 +110,6 @@ def scratch_rows(n: int, d: int, dtypes) -> list[np.ndarray]:
             .view(dtype).reshape(n, per_row) for start, dtype, per_row in layout]
 
 
-def _bwd_out(xr, column_rows, sums_dtype):
-    """The backward's outputs: dx (bits for 16-bit rows), then for `column_rows` or more
-    rows (bwd) float64 dgamma/dbeta per chunk, one per thread, and the float32 rows the
-    float32-compute kernel sums a few rows in before adding them (never touched, so never
-    paged in, for float64 rows), laid out by scratch_rows; for fewer (bwd_cols) dgamma
-    and dbeta themselves, of the dtype `sums_dtype(rows, dtype)` gives (laid out so
-    too: the kernel's vectors of them then never span two cache lines)."""
-    rows, d = xr.shape
-    dx = np.empty_like(xr)
-    if rows < column_rows:
-        dw, db = scratch_rows(1, d, (sums_dtype(rows, xr.dtype),) * 2)
-        return dx, dw[0, :d], db[0, :d]
-    return (dx, *scratch_rows(_chunks(rows), d, (np.float64, np.float64, np.float32,
-                                                  np.float32)))
-
-
 def _param(p, d, ct, fill):
     return np.full(d, fill, ct) if p is None else np.ascontiguousarray(p, dtype=ct).reshape(d)
 
@@ -225,14 +209,28 @@ class NumbaBackend(Backend):
                            op == "layer_norm")
         return y16, mean, rstd
 
+    def _bwd_out(self, xr):
+        """The backward's outputs: dx (bits for 16-bit rows), then for column_rows or
+        more rows (bwd) float64 dgamma/dbeta per chunk, one per thread, and the float32
+        rows the float32-compute kernel sums a few rows in before adding them (never
+        touched, so never paged in, for float64 rows), laid out by scratch_rows; for
+        fewer (bwd_cols) dgamma and dbeta themselves, of the dtype sums_dtype gives (laid
+        out so too: the kernel's vectors of them then never span two cache lines)."""
+        rows, d = xr.shape
+        dx = np.empty_like(xr)
+        if rows < self.column_rows:
+            dw, db = scratch_rows(1, d, (self.sums_dtype(rows, xr.dtype),) * 2)
+            return dx, dw[0, :d], db[0, :d]
+        return (dx, *scratch_rows(_chunks(rows), d, (np.float64, np.float64, np.float32,
+                                                      np.float32)))
+
     def _backward(self, op, xr, w, g, mean, rstd, fmt=None, out=None):
         """dx, dgamma, dbeta of rows `xr` (16-bit rows as their patterns, fmt 0 float16,
         1 bfloat16; fmt None otherwise), computed as _numba_backward says; `out` as
         _bwd_out makes it. bwd leaves the final float64 dgamma/dbeta in the first of its
         partial rows; few rows take bwd_cols (see _numba_backward.COLUMN_ROWS)."""
         rows, d = xr.shape
-        dx, *sums = out if out is not None else _bwd_out(xr, self.column_rows,
-                                                          self.sums_dtype)
+        dx, *sums = out if out is not None else self._bwd_out(xr)
         centre, fmt = op == "layer_norm", -1 if fmt is None else fmt
         if rows < self.column_rows:
             dw, db = sums
@@ -334,7 +332,7 @@ class NumbaBackend(Backend):
         if not backward:
             return forward
         g = _bits(grad_output, d) if half else _rows(grad_output, d, ct)
-        bwd_out = _bwd_out(xr, self.column_rows, self.sums_dtype)
+        bwd_out = self._bwd_out(xr)
 
         def forward_backward():
             _, mean, rstd = forward()
