@@ -42,6 +42,14 @@ def _like(ty, scalar):
     return ir.VectorType(scalar, ty.count) if isinstance(ty, ir.VectorType) else scalar
 
 
+def splat(b, value, width):
+    """A vector of `width` lanes, each `value` (an LLVM scalar)."""
+    vt = ir.VectorType(value.type, width)
+    one = b.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(I32, 0))
+    return b.shuffle_vector(one, ir.Constant(vt, ir.Undefined),
+                            ir.Constant(ir.VectorType(I32, width), [0] * width))
+
+
 def _k(ty, v):
     """The constant v of type `ty`, every lane of it when `ty` is a vector."""
     return ir.Constant(ty, [v] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, v)
@@ -68,8 +76,57 @@ def decode_bf16_ir(b, h):
     return b.bitcast(b.shl(b.zext(h, i32), _k(i32, 16)), _like(h.type, F32))
 
 
-def _c(v):
-    return ir.Constant(I32, v)
+def decode_bf16_pairs_ir(b, pairs):
+    """A vector of 32-bit pairs of bfloat16 bits -> two float32 vectors as long, of the
+    pairs' low (even) and high (odd) elements: a shift and a mask, where widening each
+    16-bit lane to 32 bits takes a shuffle (the vector kernels read bfloat16 this way
+    where the order of the elements does not matter)."""
+    f32 = _like(pairs.type, F32)
+    return (b.bitcast(b.shl(pairs, _k(pairs.type, 16)), f32),
+            b.bitcast(b.and_(pairs, _k(pairs.type, 0xFFFF0000)), f32))
+
+
+#: The decoders' IR by format (0 float16, 1 bfloat16).
+DECODE_IR = (decode_f16_ir, decode_bf16_ir)
+
+
+def format_of(dec):
+    """The format (0 float16, 1 bfloat16) a jitted wrapper of decode_f16/decode_bf16
+    decodes, as a vector kernel's typing sees it (by the name of the function it wraps,
+    _numba_rows.decode_f16/decode_bf16); None for any other function."""
+    name = getattr(getattr(getattr(dec, "dispatcher", None), "py_func", None), "__name__", None)
+    return {"decode_f16": 0, "decode_bf16": 1}.get(name)
+
+
+def encode_f16_ir(b, v):
+    """float32 (or a vector of them) -> float16 bits of the same shape, the IR of
+    encode_f16."""
+    i32, i16 = _like(v.type, I32), _like(v.type, I16)
+    if F16C:
+        return b.bitcast(b.fptrunc(v, _like(v.type, F16)), i16)
+    bits = b.bitcast(v, i32)
+    sign = b.and_(b.lshr(bits, _k(i32, 16)), _k(i32, 0x8000))
+    a = b.and_(bits, _k(i32, 0x7FFFFFFF))
+    odd = b.and_(b.lshr(a, _k(i32, 13)), _k(i32, 1))
+    normal = b.lshr(b.add(b.add(b.sub(a, _k(i32, 0x38000000)), _k(i32, 0xFFF)), odd),
+                    _k(i32, 13))
+    half = b.fadd(b.bitcast(a, v.type), _k(v.type, 0.5))
+    sub = b.sub(b.bitcast(half, i32), _k(i32, 0x3F000000))
+    big = b.select(b.icmp_unsigned(">", a, _k(i32, 0x7F800000)), _k(i32, 0x7E00), _k(i32, 0x7C00))
+    out = b.select(b.icmp_unsigned("<", a, _k(i32, 0x38800000)), sub, normal)
+    out = b.select(b.icmp_unsigned(">=", a, _k(i32, 0x47800000)), big, out)
+    return b.trunc(b.or_(sign, out), i16)
+
+
+def encode_bf16_ir(b, v):
+    """float32 (or a vector of them) -> bfloat16 bits of the same shape, the IR of
+    encode_bf16."""
+    i32 = _like(v.type, I32)
+    bits = b.bitcast(v, i32)
+    top = b.lshr(bits, _k(i32, 16))
+    rounded = b.lshr(b.add(bits, b.add(b.and_(top, _k(i32, 1)), _k(i32, 0x7FFF))), _k(i32, 16))
+    is_nan = b.fcmp_unordered("uno", v, v)
+    return b.trunc(b.select(is_nan, b.or_(top, _k(i32, 0x0040)), rounded), _like(v.type, I16))
 
 
 @intrinsic
@@ -107,19 +164,7 @@ def encode_f16(typingctx, v):
         return None
 
     def codegen(context, b, sig, args):
-        if F16C:
-            return b.bitcast(b.fptrunc(args[0], F16), I16)
-        bits = b.bitcast(args[0], I32)
-        sign = b.and_(b.lshr(bits, _c(16)), _c(0x8000))
-        a = b.and_(bits, _c(0x7FFFFFFF))
-        odd = b.and_(b.lshr(a, _c(13)), _c(1))
-        normal = b.lshr(b.add(b.add(b.sub(a, _c(0x38000000)), _c(0xFFF)), odd), _c(13))
-        half = b.fadd(b.bitcast(a, F32), ir.Constant(F32, 0.5))
-        sub = b.sub(b.bitcast(half, I32), _c(0x3F000000))
-        big = b.select(b.icmp_unsigned(">", a, _c(0x7F800000)), _c(0x7E00), _c(0x7C00))
-        out = b.select(b.icmp_unsigned("<", a, _c(0x38800000)), sub, normal)
-        out = b.select(b.icmp_unsigned(">=", a, _c(0x47800000)), big, out)
-        return b.trunc(b.or_(sign, out), I16)
+        return encode_f16_ir(b, args[0])
     return types.uint16(types.float32), codegen
 
 
@@ -135,11 +180,7 @@ def encode_bf16(typingctx, v):
         return None
 
     def codegen(context, b, sig, args):
-        bits = b.bitcast(args[0], I32)
-        top = b.lshr(bits, _c(16))
-        rounded = b.lshr(b.add(bits, b.add(b.and_(top, _c(1)), _c(0x7FFF))), _c(16))
-        is_nan = b.fcmp_unordered("uno", args[0], args[0])
-        return b.trunc(b.select(is_nan, b.or_(top, _c(0x0040)), rounded), I16)
+        return encode_bf16_ir(b, args[0])
     return types.uint16(types.float32), codegen
 
 

@@ -26,7 +26,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_codec import decode_bf16_ir, decode_f16_ir
+from ._numba_codec import DECODE_IR, format_of, splat
 
 #: Lanes of the row sums (the backward's LANES).
 LANES = 16
@@ -35,17 +35,10 @@ BLOCK_STEPS = 8
 
 I16, I32, I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F32, F64 = ir.FloatType(), ir.DoubleType()
-_DECODE = {"decode_f16": decode_f16_ir, "decode_bf16": decode_bf16_ir}
 
 
 def _vec(t):
     return ir.VectorType(t, LANES)
-
-
-def _splat(b, t, value):
-    one = b.insert_element(ir.Constant(_vec(t), ir.Undefined), value, ir.Constant(I32, 0))
-    return b.shuffle_vector(one, ir.Constant(_vec(t), ir.Undefined),
-                            ir.Constant(_vec(I32), [0] * LANES))
 
 
 def _format(x, cv):
@@ -55,9 +48,9 @@ def _format(x, cv):
         return F64, F64, None
     if x.dtype == types.float32:
         return F32, F32, None
-    py_func = getattr(getattr(cv, "dispatcher", None), "py_func", None)
-    if x.dtype == types.uint16 and getattr(py_func, "__name__", None) in _DECODE:
-        return I16, F32, _DECODE[py_func.__name__]
+    fmt = format_of(cv)
+    if x.dtype == types.uint16 and fmt is not None:
+        return I16, F32, DECODE_IR[fmt]
     return None
 
 
@@ -90,7 +83,7 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv):
     def codegen(context, b, sig, args):
         x_a, w_a, g_a, l_a = (context.make_array(sig.args[i])(context, b, args[i])
                               for i in (0, 1, 2, 5))
-        mean, rstd = _splat(b, ct, args[3]), _splat(b, ct, args[4])
+        mean, rstd = splat(b, args[3], LANES), splat(b, args[4], LANES)
         zero64, zero = ir.Constant(_vec(F64), None), ir.Constant(_vec(ct), None)
         sums64 = [cgutils.alloca_once_value(b, zero64) for _ in range(2)]
         sums = [cgutils.alloca_once_value(b, zero) for _ in range(2)]

@@ -87,6 +87,32 @@ def test_the_backend_streams_large_outputs_of_narrow_rows_only(monkeypatch):
         assert np.array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 
+def test_the_half_forward_streams_large_outputs_of_any_width(monkeypatch):
+    """The 16-bit forward streams from its registers (_numba_half_norm), with no scratch
+    row, so the width of its rows does not matter; its bits are the unstreamed ones."""
+    llc = numba_kernels.last_level_cache_bytes()
+    wide = STREAM_ROW_BYTES // 2 + 1
+    u16 = np.dtype(np.uint16)
+    assert numba_kernels.stream_rows(np.empty((llc // (2 * wide) + 1, wide), u16), scratch_row=False)
+    assert not numba_kernels.stream_rows(np.empty((1, wide), u16), scratch_row=False)
+
+    backend = numba_kernels.make_backend()
+    calls = []
+    kernel = backend.k["half_fwd"]
+
+    def spy(*args):
+        calls.append(args[-1])
+        return kernel(*args)
+    monkeypatch.setitem(backend.k, "half_fwd", spy)
+    x, w, b = (a.astype(np.float16) for a in _rows(np.float32, 1000, rows=2))
+    plain = backend.layer_norm(x, (1000,), w, b, 1e-5).output, backend.rms_norm(x, (1000,), w, 1e-5).output
+    monkeypatch.setattr(numba_kernels, "last_level_cache_bytes", lambda: 0)
+    streamed = backend.layer_norm(x, (1000,), w, b, 1e-5).output, backend.rms_norm(x, (1000,), w, 1e-5).output
+    assert calls == [False, False, True, True]
+    for got, expected in zip(streamed, plain, strict=True):
+        assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(expected).view(np.uint16))
+
+
 def _sysfs(folder, caches):
     for index, (level, size) in enumerate(caches):
         (folder / f"index{index}").mkdir(parents=True)

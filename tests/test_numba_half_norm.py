@@ -1,0 +1,161 @@
+"""The half-precision forward's normalize loop (_numba_half_norm): an element's bits do
+not depend on where the row lies, whether it is streamed or prefetched, or which of the
+loop's paths (steps of 32, of 8, one by one; bfloat16 pairs) computes it; bfloat16's
+rounding instruction, which flushes subnormals, is mended for them; and y is exactly
+the formula, rounded once to the 16-bit format, each compiled as here and the portable
+way (no F16C, no AVX512-BF16)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+FORMATS = [(0, np.float16), (1, ml_dtypes.bfloat16)]
+IDS = ["float16", "bfloat16"]
+
+
+@pytest.fixture(scope="module", params=["host", "portable"])
+def normalize(request):
+    """half_norm_row in a loop over rows, compiled as the host compiles it and with the
+    integer codecs (chosen when the IR is generated, so the function compiles each way)."""
+    from normspec.impls import _numba_codec as codec
+    from normspec.impls import _numba_half_norm as hn
+    from normspec.impls import _numba_rows as rows
+
+    mp = pytest.MonkeyPatch()
+    if request.param == "portable":
+        mp.setattr(codec, "F16C", False)
+        mp.setattr(hn, "BF16_HW", False)
+    request.addfinalizer(mp.undo)
+
+    @numba.njit
+    def run(x, w, b, m, s, y, centre, stream, ahead, fmt):
+        for r in range(x.shape[0]):
+            if fmt == 0:
+                hn.half_norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, rows.decode_f16)
+            else:
+                hn.half_norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, rows.decode_bf16)
+
+    def call(x, w, b, m, s, y, centre, stream=False, ahead=0, fmt=0):
+        run(x, w, b, np.float32(m), np.float32(s), y, centre, stream, ahead, fmt)
+    for fmt in (0, 1):  # compiled now, with the patch in place
+        for p in (np.zeros(1, np.uint16), np.zeros(1, np.float32)):
+            call(np.zeros((1, 1), np.uint16), p, p, 0, 1, np.zeros((1, 1), np.uint16), True,
+                 fmt=fmt)
+    return call
+
+
+def _same(got, want, dt):
+    """Equal bits, or NaN in both (a NaN's payload is not compared, see _numba_codec)."""
+    fg, fw = got.view(dt).astype(np.float32), want.view(dt).astype(np.float32)
+    return (got == want) | (np.isnan(fg) & np.isnan(fw))
+
+
+@pytest.mark.parametrize(("fmt", "dt"), FORMATS, ids=IDS)
+def test_every_pattern_times_one_is_itself(normalize, fmt, dt):
+    """RMSNorm with r = 1 and gamma = 1 returns x: every 16-bit pattern, the subnormal
+    ones included (the bfloat16 instruction alone gives 0 for those), through every path
+    (d = 65536: whole steps, streamed or not; the 16-bit and the float32 parameters)."""
+    x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(1, -1)
+    for w in (np.ones(x.shape[1], dt).view(np.uint16), np.ones(x.shape[1], np.float32)):
+        for stream in (False, True):
+            y = np.zeros_like(x)
+            normalize(x, w, w, 0.0, 1.0, y, False, stream, fmt=fmt)
+            same = _same(y, x, dt)
+            assert same.all(), (f"got {y[~same][:4]} for the patterns {x[~same][:4]}, but "
+                                f"x * 1 * 1 is x [stream={stream}, gamma {w.dtype}]")
+
+
+@pytest.mark.parametrize(("fmt", "dt"), FORMATS, ids=IDS)
+def test_float32_gamma_is_rounded_once_to_nearest_even(normalize, fmt, dt):
+    """y = 1 * 1 * gamma for float32 gamma around every rounding boundary: y must be
+    NumPy's / ml_dtypes' cast of gamma (subnormal, tie, overflow, inf and NaN)."""
+    rng = np.random.default_rng(5)
+    top = 0x47800000 if fmt == 0 else 0x7F800000
+    bits = np.concatenate([rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32),
+                           np.arange(0, 0x00800000, 997, dtype=np.uint32),
+                           np.arange(top - 50_000, top + 50_000, 7, dtype=np.uint32),
+                           np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000,
+                                     0x3F808000, 0x3F818000, 0x00008000, 0x00018000],
+                                    np.uint32)])
+    bits = np.concatenate([bits, bits | 0x80000000])
+    gamma = bits.view(np.float32)
+    one = np.ones((1, gamma.size), dt).view(np.uint16)
+    y = np.zeros_like(one)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = gamma.astype(dt).view(np.uint16)
+    normalize(one, gamma, gamma, 0.0, 1.0, y, False, fmt=fmt)
+    same = _same(y[0], want, dt)
+    assert same.all(), f"got {y[0][~same][:4]} for {gamma[~same][:4]}, but the cast gives {want[~same][:4]}"
+
+
+def _rows(fmt, dt, n, d):
+    """Rows with ordinary values, subnormal and overflowing results, NaN and inf."""
+    rng = np.random.default_rng(d)
+    x = rng.normal(0.3, 2.0, (n, d)).astype(np.float32)
+    x[:, ::7] *= 1e-40 if fmt == 1 else 1e-6
+    x[:, 5::11] = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0])[rng.integers(0, 5, x[:, 5::11].shape)]
+    return x.astype(dt).view(np.uint16)
+
+
+@pytest.mark.parametrize(("fmt", "dt"), FORMATS, ids=IDS)
+@pytest.mark.parametrize("centre", [True, False], ids=["layer_norm", "rms_norm"])
+def test_bits_do_not_depend_on_where_the_row_lies(normalize, fmt, dt, centre):
+    """The same rows written at every offset in a line, streamed and not, prefetching the
+    next row and not: every element through the same formula, whichever path took it.
+    mean and 1/std are chosen so that many results are subnormal in bfloat16."""
+    for d in (1, 7, 8, 31, 33, 64, 100, 1000):
+        x = _rows(fmt, dt, 3, d)
+        rng = np.random.default_rng(d + 1)
+        w = rng.normal(0, 1, d).astype(dt).view(np.uint16)
+        b = (rng.normal(0, 1, d) * 1e-39).astype(dt).view(np.uint16)
+        m, s = 0.25, 1e-38 if fmt == 1 else 0.5
+        want = np.zeros_like(x)
+        normalize(x, w, b, m, s, want, centre, fmt=fmt)
+        for offset in range(33):
+            buf = np.zeros(x.size + offset + 40, np.uint16)
+            y = buf[offset:offset + x.size].reshape(x.shape)
+            for stream in (False, True):
+                y[:] = 0
+                normalize(x, w, b, m, s, y, centre, stream, ahead=d, fmt=fmt)
+                same = _same(y, want, dt)
+                assert same.all(), (f"d = {d}, offset {offset}, stream={stream}: got "
+                                    f"{y[~same][:4]}, but at offset 0 {want[~same][:4]}")
+            assert not buf[:offset].any() and not buf[offset + x.size:].any(), \
+                f"bytes around the rows written (d = {d}, offset {offset})"
+
+
+@pytest.mark.parametrize(("fmt", "dt"), FORMATS, ids=IDS)
+@pytest.mark.parametrize("centre", [True, False], ids=["layer_norm", "rms_norm"])
+def test_y_is_the_formula_rounded_once(normalize, fmt, dt, centre):
+    """Against NumPy: t = (x - mean) r and t gamma (float32, each rounded), then for
+    LayerNorm t gamma + beta, rounded once (fused where the CPU fuses, so t gamma + beta
+    is taken exactly in float64 first: one float32 rounding either way is within the
+    16-bit rounding but for ties, which the comparison allows a unit for)."""
+    d = 4096 + 37
+    x = _rows(fmt, dt, 2, d)
+    rng = np.random.default_rng(9)
+    for params in (np.float32, dt):
+        w = rng.normal(0, 1, d).astype(params)
+        b = rng.normal(0, 1, d).astype(params)
+        wb = (w.view(np.uint16), b.view(np.uint16)) if params is dt else (w, b)
+        y = np.zeros_like(x)
+        normalize(x, *wb, 0.25, 0.75, y, centre, fmt=fmt)
+        xf = x.view(dt).astype(np.float32)
+        w32, b32 = w.astype(np.float32), b.astype(np.float32)
+        with np.errstate(all="ignore"):
+            if centre:
+                t = (xf - np.float32(0.25)) * np.float32(0.75)
+                want = (t.astype(np.float64) * w32 + b32).astype(np.float32).astype(dt)
+            else:
+                want = (xf * np.float32(0.75) * w32).astype(dt)
+            exact = _same(y, want.view(np.uint16), dt)
+            got64, want64 = y.view(dt)[~exact].astype(np.float64), want[~exact].astype(np.float64)
+            ulp = np.spacing(np.abs(want[~exact])).astype(np.float64)
+            near = np.isfinite(got64) & (np.abs(got64 - want64) <= ulp)
+        assert near.all(), (f"got {got64[~near][:4]}, but the formula gives {want64[~near][:4]} "
+                            f"[gamma {params.__name__}]")
+        assert exact.mean() > 0.999, f"only {exact.mean():.4%} of y has the formula's bits"
