@@ -4,16 +4,17 @@ normalized in float32 and encoded,
     y = enc(fmuladd((dec(x) - mean) r, gamma, beta))   (LayerNorm)
     y = enc((dec(x) r) gamma)                          (RMSNorm),
 
-every operation in the order written (no fast-math flag; fmuladd is one fused rounding
-where the CPU has FMA, as the compiled Python loop this replaced contracted it), 32
-elements (one 64-byte line of output) a step. What that loop could not do:
+every operation in the order written, in the fast-math kernel that calls it as well
+(see _Row.value; fmuladd is one fused rounding where the CPU has FMA, as the compiled
+Python loop this replaced contracted it), 32 elements (one 64-byte line of output) a
+step. What that loop could not do:
 
 - With `stream`, each whole aligned line of y is written with a non-temporal store
   straight from the registers (_numba_stream says why a kernel writing a large output
   wants those; the float32 forward streams through a scratch row, an extra pass the
   compute-bound 16-bit forward could not afford).
 - bfloat16 is rounded by the CPU's own instruction where it has one (x86 AVX512-BF16,
-  `vcvtneps2bf16`, one instruction for the integer codec's seven operations), and a
+  `vcvtneps2bf16`, one instruction for the integer codec's nine operations), and a
   step of bfloat16 row and parameters is read as 32-bit pairs, not widened lane by
   lane (see _Row.pairs). The instruction flushes subnormal inputs to zero, which IEEE
   rounding does not: a step holding one is encoded again by the integer codec, whose
@@ -130,16 +131,18 @@ def half_norm_row(typingctx, xr, w, b, m, s, yr, centre, stream, ahead, dec):
     fmt = codec.format_of(dec)
     if (fmt is None or not (_row(xr, types.uint16) and yr == xr and w == b
                             and _row(w, types.uint16, types.float32)
-                            and isinstance(ahead, types.Integer))
+                            and isinstance(ahead, types.Integer)
+                            and isinstance(centre, types.Boolean) and isinstance(stream, types.Boolean))
             or m != types.float32 or s != types.float32):
         return None
-    pairs = fmt == 1 and w.dtype == types.uint16 and BF16_HW
 
     def codegen(context, bd, sig, args):
+        pairs = fmt == 1 and w.dtype == types.uint16 and BF16_HW  # as compiled now
         x_a, w_a, b_a, y_a = (context.make_array(sig.args[i])(context, bd, args[i])
                               for i in (0, 1, 2, 5))
         row = _Row(bd, fmt, x_a, w_a, b_a, args[3], args[4])
-        centre_v, stream_v, ahead_v = args[6], args[7], args[8]
+        centre_v, stream_v, ahead_v = (context.cast(bd, args[i], sig.args[i], t) for i, t in
+                                       ((6, types.boolean), (7, types.boolean), (8, types.int64)))
         n = bd.extract_value(x_a.shape, 0)
         addr = bd.ptrtoint(y_a.data, I64)
         aligned = bd.and_(stream_v, bd.icmp_unsigned("==", bd.and_(addr, _i64(1)), _i64(0)))
@@ -192,7 +195,7 @@ class _Row:
 
     def load(self, arr, j, t, width):
         p = self.b.bitcast(self.b.gep(arr.data, [j]), ir.VectorType(t, width).as_pointer())
-        return self.b.load(p, align=2 if t is I16 else 4)
+        return self.b.load(p, align=4 if t is F32 else 2)  # pairs of halves: 2
 
     def param(self, arr, j, width):
         if self.params_16:
@@ -200,10 +203,13 @@ class _Row:
         return self.load(arr, j, F32, width)
 
     def value(self, ln, xv, wv, bv, width):
-        b, s_v = self.b, codec.splat(self.b, self.rstd, width)
+        # flagged 'contract', which no operation here can use, so that Numba's fast-math
+        # pass (it flags the float operations that have no flag, these included, in a
+        # kernel compiled with fast-math) leaves them as written
+        b, s_v, f = self.b, codec.splat(self.b, self.rstd, width), ("contract",)
         if not ln:
-            return b.fmul(b.fmul(xv, s_v), wv)
-        t = b.fmul(b.fsub(xv, codec.splat(b, self.mean, width)), s_v)
+            return b.fmul(b.fmul(xv, s_v, flags=f), wv, flags=f)
+        t = b.fmul(b.fsub(xv, codec.splat(b, self.mean, width), flags=f), s_v, flags=f)
         return b.call(_fmuladd(b, t.type), [t, wv, bv])
 
     def plain(self, j, width, ln):
@@ -219,7 +225,8 @@ class _Row:
         16 bits masked (two operations, where widening 16-bit lanes takes two shuffles);
         the two halves' encodings are interleaved back."""
         half = STEP // 2
-        x2, w2 = (codec.decode_bf16_pairs_ir(self.b, self.load(a, j, I32, half)) for a in (self.x, self.w))
+        x2, w2 = (codec.decode_bf16_pairs_ir(self.b, self.load(a, j, I32, half))
+                  for a in (self.x, self.w))
         b2 = codec.decode_bf16_pairs_ir(self.b, self.load(self.beta, j, I32, half)) if ln else (None, None)
         v = [self.value(ln, x2[k], w2[k], b2[k], half) for k in (0, 1)]
         return _interleave(self.b, *_encode_bf16_hw(self.b, v))

@@ -23,8 +23,9 @@ It does not pay everywhere:
 
 So the caller streams outputs of at least the last-level cache's size; float32/float64
 ones only when their rows are at most STREAM_ROW_BYTES (numba_kernels.stream_rows). The
-bytes written are the scratch row's, so a row's bits do not depend on whether it was
-streamed (tests/test_numba_stream.py)."""
+bytes written are the scratch row's (float32/float64) or the registers' the unstreamed
+loop would store (16-bit), so a row's bits do not depend on whether it was streamed
+(tests/test_numba_stream.py, tests/test_numba_half_norm.py)."""
 
 import llvmlite.binding as llvm
 from llvmlite import ir

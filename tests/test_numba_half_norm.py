@@ -7,6 +7,7 @@ way (no F16C, no AVX512-BF16)."""
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 import ml_dtypes
 import numpy as np
 import pytest
@@ -15,15 +16,20 @@ numba = pytest.importorskip("numba")
 
 FORMATS = [(0, np.float16), (1, ml_dtypes.bfloat16)]
 IDS = ["float16", "bfloat16"]
+#: A mean and 1/std with full float32 significands: a product by them rounds (by 0.75,
+#: a 16-bit value's product would be exact, and no order of the operations would show).
+M, S = np.float32(0.2517), np.float32(0.7310586)
 
 
 @pytest.fixture(scope="module", params=["host", "portable"])
 def normalize(request):
     """half_norm_row in a loop over rows, compiled as the host compiles it and with the
-    integer codecs (chosen when the IR is generated, so the function compiles each way)."""
+    integer codecs (chosen when the IR is generated, so the function compiles each way;
+    the test that compiles first decides which, so every one reads the flags then)."""
     from normspec.impls import _numba_codec as codec
     from normspec.impls import _numba_half_norm as hn
     from normspec.impls import _numba_rows as rows
+    from normspec.impls._numba_jit import FASTMATH
 
     mp = pytest.MonkeyPatch()
     if request.param == "portable":
@@ -31,7 +37,7 @@ def normalize(request):
         mp.setattr(hn, "BF16_HW", False)
     request.addfinalizer(mp.undo)
 
-    @numba.njit
+    @numba.njit(fastmath=FASTMATH)  # as the kernel that calls it is compiled
     def run(x, w, b, m, s, y, centre, stream, ahead, fmt):
         for r in range(x.shape[0]):
             if fmt == 0:
@@ -131,31 +137,53 @@ def test_bits_do_not_depend_on_where_the_row_lies(normalize, fmt, dt, centre):
 @pytest.mark.parametrize(("fmt", "dt"), FORMATS, ids=IDS)
 @pytest.mark.parametrize("centre", [True, False], ids=["layer_norm", "rms_norm"])
 def test_y_is_the_formula_rounded_once(normalize, fmt, dt, centre):
-    """Against NumPy: t = (x - mean) r and t gamma (float32, each rounded), then for
-    LayerNorm t gamma + beta, rounded once (fused where the CPU fuses, so t gamma + beta
-    is taken exactly in float64 first: one float32 rounding either way is within the
-    16-bit rounding but for ties, which the comparison allows a unit for)."""
-    d = 4096 + 37
-    x = _rows(fmt, dt, 2, d)
+    """Against NumPy, every float32 operation rounded as NumPy rounds it, then the 16-bit
+    rounding: RMSNorm's (x r) gamma; LayerNorm's ((x - mean) r) gamma + beta, whose last
+    two operations are one fused rounding where the CPU has FMA (taken here in float64,
+    where t gamma is exact). Rows of 65573 elements: an operation in another order moves
+    a float32 result by a unit in about half the elements, which shows in the 16-bit
+    result only next to its rounding ties (a few in 2^13 for float16)."""
+    d = (1 << 16) + 37
+    x = _rows(fmt, dt, 4, d)
     rng = np.random.default_rng(9)
+    fused = bool(llvm.get_host_cpu_features().get("fma"))
     for params in (np.float32, dt):
         w = rng.normal(0, 1, d).astype(params)
         b = rng.normal(0, 1, d).astype(params)
         wb = (w.view(np.uint16), b.view(np.uint16)) if params is dt else (w, b)
         y = np.zeros_like(x)
-        normalize(x, *wb, 0.25, 0.75, y, centre, fmt=fmt)
+        normalize(x, *wb, M, S, y, centre, fmt=fmt)
         xf = x.view(dt).astype(np.float32)
         w32, b32 = w.astype(np.float32), b.astype(np.float32)
         with np.errstate(all="ignore"):
             if centre:
-                t = (xf - np.float32(0.25)) * np.float32(0.75)
-                want = (t.astype(np.float64) * w32 + b32).astype(np.float32).astype(dt)
+                t = (xf - M) * S
+                want = (t.astype(np.float64) * w32 + b32).astype(np.float32) if fused else t * w32 + b32
             else:
-                want = (xf * np.float32(0.75) * w32).astype(dt)
-            exact = _same(y, want.view(np.uint16), dt)
-            got64, want64 = y.view(dt)[~exact].astype(np.float64), want[~exact].astype(np.float64)
-            ulp = np.spacing(np.abs(want[~exact])).astype(np.float64)
-            near = np.isfinite(got64) & (np.abs(got64 - want64) <= ulp)
-        assert near.all(), (f"got {got64[~near][:4]}, but the formula gives {want64[~near][:4]} "
-                            f"[gamma {params.__name__}]")
-        assert exact.mean() > 0.999, f"only {exact.mean():.4%} of y has the formula's bits"
+                want = xf * S * w32
+            want = want.astype(dt)
+        exact = _same(y, want.view(np.uint16), dt)
+        assert exact.all(), (f"got {y.view(dt)[~exact][:4]}, but the formula gives "
+                             f"{want[~exact][:4]} [gamma {params.__name__}, fused: {fused}]")
+
+
+@pytest.mark.parametrize(("fmt", "dt"), FORMATS, ids=IDS)
+def test_rows_at_odd_addresses_are_not_streamed(normalize, fmt, dt):
+    """16-bit rows one byte off their alignment (a NumPy view of a byte buffer can be):
+    no line of y can be aligned, so nothing is streamed (a non-temporal store to an
+    unaligned line would fault), and the bits are those of aligned rows."""
+    d = 300
+    x = np.random.default_rng(2).normal(0, 1, d).astype(dt).view(np.uint16)
+    w = np.ones(d, dt).view(np.uint16)
+
+    def odd(a):
+        view = np.frombuffer(bytearray(a.nbytes + 1), np.uint16, a.size, offset=1)
+        view[:] = a
+        return view.reshape(1, -1)
+    want = np.zeros((1, d), np.uint16)
+    normalize(x.reshape(1, -1), w, w, 0.25, 0.5, want, True, fmt=fmt)
+    for stream in (False, True):
+        y = odd(np.zeros(d, np.uint16))
+        normalize(odd(x), odd(w)[0], odd(w)[0], 0.25, 0.5, y, True, stream, fmt=fmt)
+        same = _same(y, want, dt)
+        assert same.all(), f"stream={stream}: got {y[~same][:4]}, but aligned rows give {want[~same][:4]}"

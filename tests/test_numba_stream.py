@@ -104,10 +104,10 @@ def test_the_half_forward_streams_large_outputs_of_any_width(monkeypatch):
         calls.append(args[-1])
         return kernel(*args)
     monkeypatch.setitem(backend.k, "half_fwd", spy)
-    x, w, b = (a.astype(np.float16) for a in _rows(np.float32, 1000, rows=2))
-    plain = backend.layer_norm(x, (1000,), w, b, 1e-5).output, backend.rms_norm(x, (1000,), w, 1e-5).output
+    x, w, b = (a.astype(np.float16) for a in _rows(np.float32, wide, rows=2))
+    plain = backend.layer_norm(x, (wide,), w, b, 1e-5).output, backend.rms_norm(x, (wide,), w, 1e-5).output
     monkeypatch.setattr(numba_kernels, "last_level_cache_bytes", lambda: 0)
-    streamed = backend.layer_norm(x, (1000,), w, b, 1e-5).output, backend.rms_norm(x, (1000,), w, 1e-5).output
+    streamed = backend.layer_norm(x, (wide,), w, b, 1e-5).output, backend.rms_norm(x, (wide,), w, 1e-5).output
     assert calls == [False, False, True, True]
     for got, expected in zip(streamed, plain, strict=True):
         assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(expected).view(np.uint16))
