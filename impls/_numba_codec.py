@@ -80,7 +80,7 @@ def decode_bf16_pairs_ir(b, pairs):
     """A vector of 32-bit pairs of bfloat16 bits -> two float32 vectors as long, of the
     pairs' low (even) and high (odd) elements: a shift and a mask, where widening each
     16-bit lane to 32 bits takes a shuffle (the caller puts the elements back in order,
-    as _numba_half_norm interleaves its two halves' results)."""
+    as _numba_norm_row interleaves its two halves' results)."""
     f32 = _like(pairs.type, F32)
     return (b.bitcast(b.shl(pairs, _k(pairs.type, 16)), f32),
             b.bitcast(b.and_(pairs, _k(pairs.type, 0xFFFF0000)), f32))

@@ -50,8 +50,6 @@ except ImportError as exc:  # the registry reports the backend as unavailable
     _IMPORT_ERROR = exc
 else:
     _IMPORT_ERROR = None
-    # a constant of a module that compiles nothing (imported here, not at every call)
-    from ._numba_stream import STREAM_ROW_BYTES
 
 
 def _kernels():
@@ -146,13 +144,10 @@ def last_level_cache_bytes(folder: str = "/sys/devices/system/cpu/cpu0/cache") -
     return sizes[max(sizes)] if sizes else 32 << 20
 
 
-def stream_rows(y, scratch_row: bool = True) -> bool:
+def stream_rows(y) -> bool:
     """Whether the forward streams output rows `y` to memory: when y is at least the
-    last-level cache's size (it would not stay in cache anyway) and, for the float32/
-    float64 forward, which streams through a `scratch_row`, its rows are narrow enough
-    for that to stay in cache too (see _numba_stream)."""
-    return y.nbytes >= last_level_cache_bytes() and (
-        not scratch_row or y.shape[1] * y.itemsize <= STREAM_ROW_BYTES)
+    last-level cache's size, so it would not stay in cache anyway (see _numba_stream)."""
+    return y.nbytes >= last_level_cache_bytes()
 
 
 def _chunks(rows):
@@ -208,7 +203,7 @@ class NumbaBackend(Backend):
         y16, mean, rstd = out if out is not None else (
             np.empty_like(x16), np.empty(rows), np.empty(rows))
         self.k["half_fwd"](x16, *params, float(eps), y16, mean, rstd, _chunks(rows), fmt,
-                           op == "layer_norm", stream_rows(y16, scratch_row=False))
+                           op == "layer_norm", stream_rows(y16))
         return y16, mean, rstd
 
     def _bwd_out(self, xr):

@@ -1,7 +1,7 @@
-"""The streaming stores of the numba float32/float64 forward (_numba_stream): the row
-copy is exact at every alignment and length and touches nothing around it, a streamed
-row has the bits of an unstreamed one, and the backend streams exactly the outputs it
-says it does."""
+"""The numba forward's streaming stores (_numba_stream, _numba_norm_row): a streamed
+float32/float64 row has the bits of an unstreamed one (16-bit rows, and rows at every
+alignment: tests/test_numba_norm_row.py), and the backend streams exactly the outputs
+it says it does."""
 
 from __future__ import annotations
 
@@ -11,28 +11,8 @@ import pytest
 pytest.importorskip("numba")
 
 from normspec.impls import _numba_rows, numba_kernels  # noqa: E402
-from normspec.impls._numba_stream import LINE, STREAM_ROW_BYTES, X86, stream_row  # noqa: E402
+from normspec.impls._numba_stream import X86  # noqa: E402
 from numba import njit  # noqa: E402
-
-
-@njit
-def _stream(dst, src):
-    stream_row(dst, src)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16])
-def test_stream_row_copies_exactly_at_every_alignment(dtype):
-    rng = np.random.default_rng(3)
-    item = np.dtype(dtype).itemsize
-    for n in [*range(0, 70), 127, 128, 129, 1000, 4099]:
-        for offset in range(0, LINE // item + 1):
-            buf = np.zeros(n + 2 * (LINE // item) + 2, dtype)
-            src = rng.integers(1, 60000, n).astype(dtype)
-            dst = buf[offset + 1:offset + 1 + n]
-            _stream(dst, src)
-            assert np.array_equal(dst, src), (n, offset)
-            outside = np.concatenate([buf[:offset + 1], buf[offset + 1 + n:]])
-            assert not outside.any(), f"bytes outside the row written (n = {n}, offset = {offset})"
 
 
 def _rows(dtype, d, rows=5):
@@ -61,56 +41,34 @@ def test_a_streamed_row_has_the_bits_of_an_unstreamed_one(dtype):
             assert np.array_equal(got.view(np.uint8), expected.view(np.uint8)), d
 
 
-def test_the_backend_streams_large_outputs_of_narrow_rows_only(monkeypatch):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_backend_streams_large_outputs_of_any_width(monkeypatch, dtype):
+    """Outputs of at least the last-level cache's size are streamed, however wide their
+    rows (the normalize loop streams from its registers, with no scratch row to keep in
+    cache), smaller ones not; streamed, their bits are the unstreamed ones."""
     llc = numba_kernels.last_level_cache_bytes()
-    f32 = np.dtype(np.float32)
-    assert numba_kernels.stream_rows(np.empty((llc // (4 * 1024), 1024), f32))
-    assert not numba_kernels.stream_rows(np.empty((llc // (4 * 1024) - 1, 1024), f32))
-    wide = STREAM_ROW_BYTES // 4 + 1
-    assert not numba_kernels.stream_rows(np.empty((llc // (4 * wide) + 1, wide), f32))
+    item = np.dtype(dtype).itemsize
+    assert numba_kernels.stream_rows(np.empty((llc // (item * 1024), 1024), dtype))
+    assert not numba_kernels.stream_rows(np.empty((llc // (item * 1024) - 1, 1024), dtype))
+    wide = (1 << 16) + 3
+    assert numba_kernels.stream_rows(np.empty((llc // (item * wide) + 1, wide), dtype))
 
     backend = numba_kernels.make_backend()
     calls = []
-    for name in ("ln_fwd", "rms_fwd"):
+    for name in ("ln_fwd", "rms_fwd", "half_fwd"):
         kernel = backend.k[name]
 
         def spy(*args, _k=kernel):
             calls.append(args[-1])
             return _k(*args)
         monkeypatch.setitem(backend.k, name, spy)
-    x, w, b = _rows(np.float32, 300, rows=9)
-    plain = backend.layer_norm(x, (300,), w, b, 1e-5).output, backend.rms_norm(x, (300,), w, 1e-5).output
-    monkeypatch.setattr(numba_kernels, "last_level_cache_bytes", lambda: 0)
-    streamed = backend.layer_norm(x, (300,), w, b, 1e-5).output, backend.rms_norm(x, (300,), w, 1e-5).output
-    assert calls == [False, False, True, True]
-    for got, expected in zip(streamed, plain, strict=True):
-        assert np.array_equal(got.view(np.uint8), expected.view(np.uint8))
-
-
-def test_the_half_forward_streams_large_outputs_of_any_width(monkeypatch):
-    """The 16-bit forward streams from its registers (_numba_half_norm), with no scratch
-    row, so the width of its rows does not matter; its bits are the unstreamed ones."""
-    llc = numba_kernels.last_level_cache_bytes()
-    wide = STREAM_ROW_BYTES // 2 + 1
-    u16 = np.dtype(np.uint16)
-    assert numba_kernels.stream_rows(np.empty((llc // (2 * wide) + 1, wide), u16), scratch_row=False)
-    assert not numba_kernels.stream_rows(np.empty((1, wide), u16), scratch_row=False)
-
-    backend = numba_kernels.make_backend()
-    calls = []
-    kernel = backend.k["half_fwd"]
-
-    def spy(*args):
-        calls.append(args[-1])
-        return kernel(*args)
-    monkeypatch.setitem(backend.k, "half_fwd", spy)
-    x, w, b = (a.astype(np.float16) for a in _rows(np.float32, wide, rows=2))
+    x, w, b = (a.astype(dtype) for a in _rows(np.float32, wide, rows=2))
     plain = backend.layer_norm(x, (wide,), w, b, 1e-5).output, backend.rms_norm(x, (wide,), w, 1e-5).output
     monkeypatch.setattr(numba_kernels, "last_level_cache_bytes", lambda: 0)
     streamed = backend.layer_norm(x, (wide,), w, b, 1e-5).output, backend.rms_norm(x, (wide,), w, 1e-5).output
     assert calls == [False, False, True, True]
     for got, expected in zip(streamed, plain, strict=True):
-        assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(expected).view(np.uint16))
+        assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(expected).view(np.uint8))
 
 
 def _sysfs(folder, caches):
@@ -135,11 +93,14 @@ def test_the_forward_kernels_store_non_temporally_and_fence():
         options = {o: v for o, v in kernel.targetoptions.items() if o != "nopython"}
         return njit(**options)(kernel.py_func)
     ln_fwd, rms_fwd = fresh(_numba_rows.ln_fwd), fresh(_numba_rows.rms_fwd)
+    half_fwd = fresh(_numba_rows.half_fwd)
     x = np.ones((4, 64), np.float32)
     w = np.ones(64, np.float32)
     ln_fwd(x, w, w, 1e-5, x.copy(), np.zeros(4), np.zeros(4), 2, True)
     rms_fwd(x, w, 1e-5, x.copy(), np.zeros(4), 2, True)
-    for kernel in (ln_fwd, rms_fwd):
+    x16 = np.ones((4, 64), np.uint16)
+    half_fwd(x16, x16[0], x16[0], 1e-5, x16.copy(), np.zeros(4), np.zeros(4), 2, 0, True, True)
+    for kernel in (ln_fwd, rms_fwd, half_fwd):
         asm = "\n".join(kernel.inspect_asm().values())
         assert "movnt" in asm, "LLVM dropped the non-temporal hint: every store is ordinary"
         assert "sfence" in asm, "no store fence after the streamed rows"

@@ -1,9 +1,10 @@
-"""The half-precision forward's normalize loop (_numba_half_norm): an element's bits do
-not depend on where the row lies, whether it is streamed or prefetched, or which of the
-loop's paths (steps of 32, of 8, one by one; bfloat16 pairs) computes it; bfloat16's
-rounding instruction, which flushes subnormals, is mended for them; and y is exactly
-the formula, rounded once to the 16-bit format, each compiled as here and the portable
-way (no F16C, no AVX512-BF16)."""
+"""The forward's normalize loop (_numba_norm_row): an element's bits do not depend on
+where the row lies, whether it is streamed or prefetched, or which of the loop's paths
+(whole lines, steps of 8, one by one; bfloat16 pairs) computes it, and nothing around
+the row is written; bfloat16's rounding instruction, which flushes subnormals, is
+mended for them; y is exactly the formula, rounded as NumPy rounds each operation, then
+to the 16-bit format; each compiled as here and the portable way (no F16C, no
+AVX512-BF16). float32/float64 rows as well as 16-bit ones."""
 
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ IDS = ["float16", "bfloat16"]
 #: A mean and 1/std with full float32 significands: a product by them rounds (by 0.75,
 #: a 16-bit value's product would be exact, and no order of the operations would show).
 M, S = np.float32(0.2517), np.float32(0.7310586)
+#: Elements of a cache line, by element size: the offsets a row can start at in one.
+LINE_ELEMENTS = {2: 32, 4: 16, 8: 8}
 
 
 @pytest.fixture(scope="module", params=["host", "portable"])
 def normalize(request):
-    """half_norm_row in a loop over rows, compiled as the host compiles it and with the
+    """norm_row in a loop over rows, compiled as the host compiles it and with the
     integer codecs (chosen when the IR is generated, so the function compiles each way;
     the test that compiles first decides which, so every one reads the flags then)."""
     from normspec.impls import _numba_codec as codec
-    from normspec.impls import _numba_half_norm as hn
+    from normspec.impls import _numba_norm_row as hn
     from normspec.impls import _numba_rows as rows
     from normspec.impls._numba_jit import FASTMATH
 
@@ -41,12 +44,22 @@ def normalize(request):
     def run(x, w, b, m, s, y, centre, stream, ahead, fmt):
         for r in range(x.shape[0]):
             if fmt == 0:
-                hn.half_norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, rows.decode_f16)
+                hn.norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, rows.decode_f16)
             else:
-                hn.half_norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, rows.decode_bf16)
+                hn.norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, rows.decode_bf16)
+
+    @numba.njit(fastmath=FASTMATH)
+    def run_float(x, w, b, m, s, y, centre, stream, ahead):
+        for r in range(x.shape[0]):
+            hn.norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, None)
 
     def call(x, w, b, m, s, y, centre, stream=False, ahead=0, fmt=0):
-        run(x, w, b, np.float32(m), np.float32(s), y, centre, stream, ahead, fmt)
+        """fmt 0 / 1: x, y float16 / bfloat16 bits; x float32/float64: fmt is not read."""
+        if x.dtype == np.uint16:
+            run(x, w, b, np.float32(m), np.float32(s), y, centre, stream, ahead, fmt)
+        else:
+            t = x.dtype.type
+            run_float(x, w, b, t(m), t(s), y, centre, stream, ahead)
     for fmt in (0, 1):  # compiled now, with the patch in place
         for p in (np.zeros(1, np.uint16), np.zeros(1, np.float32)):
             call(np.zeros((1, 1), np.uint16), p, p, 0, 1, np.zeros((1, 1), np.uint16), True,
@@ -187,3 +200,42 @@ def test_rows_at_odd_addresses_are_not_streamed(normalize, fmt, dt):
         normalize(odd(x), odd(w)[0], odd(w)[0], 0.25, 0.5, y, True, stream, fmt=fmt)
         same = _same(y, want, dt)
         assert same.all(), f"stream={stream}: got {y[~same][:4]}, but aligned rows give {want[~same][:4]}"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("centre", [True, False], ids=["layer_norm", "rms_norm"])
+def test_float_rows_bits_do_not_depend_on_where_the_row_lies(normalize, dtype, centre):
+    """float32/float64 rows (NaN, inf, subnormal results among them) written at every
+    offset in a line, streamed and not, prefetching and not: the bits of offset 0, nothing
+    around the rows written; float32's are the formula's as NumPy rounds it (LayerNorm's
+    last two operations fused where the CPU has FMA, taken exactly in float64)."""
+    fused = bool(llvm.get_host_cpu_features().get("fma"))
+    item = np.dtype(dtype).itemsize
+    tiny = np.finfo(dtype).tiny
+    for d in (1, 7, 8, 15, 17, 64, 100, 1000):
+        rng = np.random.default_rng(d)
+        x = rng.normal(0.3, 2.0, (3, d)).astype(dtype)
+        x[:, 5::11] = np.array([np.nan, np.inf, -np.inf, 0.0])[rng.integers(0, 4, x[:, 5::11].shape)]
+        w = rng.normal(0, 1, d).astype(dtype)
+        w[::5] *= tiny
+        b = (rng.normal(0, 1, d) * tiny).astype(dtype)
+        want = np.zeros_like(x)
+        normalize(x, w, b, M, S, want, centre)
+        if dtype is np.float32:
+            with np.errstate(all="ignore"):
+                t = (x - M) * S if centre else x * S
+                ref = (t.astype(np.float64) * w + b).astype(np.float32) if centre and fused else (
+                    t * w + b if centre else t * w)
+            same = (want.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(want) & np.isnan(ref))
+            assert same.all(), f"d = {d}: got {want[~same][:4]}, but the formula gives {ref[~same][:4]}"
+        for offset in range(LINE_ELEMENTS[item] + 1):
+            buf = np.zeros(x.size + offset + 20, dtype)
+            y = buf[offset:offset + x.size].reshape(x.shape)
+            for stream in (False, True):
+                y[:] = 0
+                normalize(x, w, b, M, S, y, centre, stream, ahead=d)
+                same = (y.view(np.uint8) == want.view(np.uint8)).reshape(x.shape + (item,)).all(-1)
+                assert same.all(), (f"d = {d}, offset {offset}, stream={stream}: got "
+                                    f"{y[~same][:4]}, but at offset 0 {want[~same][:4]}")
+            assert not buf[:offset].any() and not buf[offset + x.size:].any(), \
+                f"bytes around the rows written (d = {d}, offset {offset})"

@@ -1,18 +1,16 @@
-"""The half-precision forward's normalize loop, in LLVM IR: a 16-bit row decoded,
-normalized in float32 and encoded,
+"""The forward's normalize loop, in LLVM IR: a row of float16/bfloat16 bits decoded,
+normalized in float32 and encoded, or a float32/float64 row normalized in its dtype,
 
     y = enc(fmuladd((dec(x) - mean) r, gamma, beta))   (LayerNorm)
     y = enc((dec(x) r) gamma)                          (RMSNorm),
 
 every operation in the order written, in the fast-math kernel that calls it as well
-(see _Row.value; fmuladd is one fused rounding where the CPU has FMA, as the compiled
-Python loop this replaced contracted it), 32 elements (one 64-byte line of output) a
-step. What that loop could not do:
+(see _Row.value; fmuladd is one fused rounding where the CPU has FMA, as LLVM contracted
+the compiled Python loops this replaced), one 64-byte line of output a step. What
+those loops could not do:
 
 - With `stream`, each whole aligned line of y is written with a non-temporal store
-  straight from the registers (_numba_stream says why a kernel writing a large output
-  wants those; the float32 forward streams through a scratch row, an extra pass the
-  compute-bound 16-bit forward could not afford).
+  straight from the registers (_numba_stream says why, and what that replaced).
 - bfloat16 is rounded by the CPU's own instruction where it has one (x86 AVX512-BF16,
   `vcvtneps2bf16`, one instruction for the integer codec's nine operations), and a
   step of bfloat16 row and parameters is read as 32-bit pairs, not widened lane by
@@ -21,14 +19,16 @@ step. What that loop could not do:
   bits are the instruction's for every other input, NaN included.
 - Each step can prefetch a line of the row to be normalized next (`ahead`).
 
-Measured in one process on the same arrays against the Python loop (one thread per
-chunk of rows, two threads): [8192, 4096] 1.13-1.22x (float16) and 1.14-1.44x
-(bfloat16); rows in cache ([256, 1000], [32, 8192], [1024, 1024]) 0.97-1.01x (float16)
-and 1.12-1.24x (bfloat16).
+Measured in one process on the same arrays, against the loops it replaced (two
+threads): 16-bit rows, [8192, 4096] 1.13-1.22x (float16) and 1.14-1.44x (bfloat16),
+rows in cache 0.97-1.01x (float16) and 1.12-1.24x (bfloat16); float32/float64 rows
+streamed, see _numba_stream. float32 rows in cache took 9-27% longer here than in
+LLVM's own vectorized loop (_numba_rows._ln_row), so the float forward calls this for
+the rows it streams only.
 
 The elements before y's first aligned line and after its last whole step go by 8 and
 then one at a time through the same operations, so an element's bits depend neither on
-where the row lies nor on whether it was streamed (tests/test_numba_half_norm.py)."""
+where the row lies nor on whether it was streamed (tests/test_numba_norm_row.py)."""
 
 import functools
 
@@ -42,10 +42,8 @@ from . import _numba_codec as codec
 from ._numba_stream import LINE
 
 I1, I16, I32, I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-F32 = ir.FloatType()
+F32, F64 = ir.FloatType(), ir.DoubleType()
 I8P = ir.IntType(8).as_pointer()
-#: Elements a step: one line of 16-bit output.
-STEP = LINE // 2
 #: Elements a step of the row's ends: before its first aligned line, after its last step.
 SHORT = 8
 #: llvm.is.fpclass's test bits for negative and positive subnormals.
@@ -120,36 +118,52 @@ def _row(a, *dtypes):
             and a.dtype in dtypes)
 
 
+#: (LLVM element type, compute type, Numba compute type, bytes) of the rows norm_row takes.
+_FLOAT_ROWS = {types.float32: (F32, F32, types.float32, 4),
+               types.float64: (F64, F64, types.float64, 8)}
+
+
 @intrinsic
-def half_norm_row(typingctx, xr, w, b, m, s, yr, centre, stream, ahead, dec):
-    """yr[:] = the normalized xr (see the module doc): xr, yr 16-bit patterns of the format
-    `dec` decodes (_numba_rows.decode_f16 / decode_bf16), gamma `w` and beta `b` float32
-    or patterns of that format (RMSNorm, `centre` False: b is not read), m and s float32,
-    all rows C-contiguous of one length. `ahead`: how many elements after xr's start the
-    row to be normalized next starts (0: none), which each step prefetches a line of.
+def norm_row(typingctx, xr, w, b, m, s, yr, centre, stream, ahead, dec):
+    """yr[:] = the normalized xr (see the module doc). xr, yr: float32 or float64 rows, or
+    16-bit patterns of the format `dec` decodes (_numba_rows.decode_f16 / decode_bf16;
+    `dec` is not read for float rows); gamma `w` and beta `b` of the row's dtype (float32
+    or patterns of its format for 16-bit rows; RMSNorm, `centre` False, does not read
+    b); m and s in the compute dtype (float64 for float64 rows, else float32); all rows
+    C-contiguous of one length. `ahead`: how many elements after xr's start the row to
+    be normalized next starts (0: none), which each step prefetches a line of.
     Anything else does not type."""
-    fmt = codec.format_of(dec)
-    if (fmt is None or not (_row(xr, types.uint16) and yr == xr and w == b
-                            and _row(w, types.uint16, types.float32)
-                            and isinstance(ahead, types.Integer)
-                            and isinstance(centre, types.Boolean) and isinstance(stream, types.Boolean))
-            or m != types.float32 or s != types.float32):
+    fmt = codec.format_of(dec) if _row(xr, types.uint16) else None
+    if fmt is not None:
+        elt, ct, compute, size = I16, F32, types.float32, 2
+        params_ok = _row(w, types.uint16, types.float32)
+    elif isinstance(xr, types.Array) and xr.dtype in _FLOAT_ROWS and _row(xr, xr.dtype):
+        elt, ct, compute, size = _FLOAT_ROWS[xr.dtype]
+        params_ok = _row(w, xr.dtype)
+    else:
         return None
+    if not (params_ok and yr == xr and w == b and m == compute and s == compute
+            and isinstance(ahead, types.Integer)
+            and isinstance(centre, types.Boolean) and isinstance(stream, types.Boolean)):
+        return None
+    step = LINE // size
 
     def codegen(context, bd, sig, args):
         pairs = fmt == 1 and w.dtype == types.uint16 and BF16_HW  # as compiled now
         x_a, w_a, b_a, y_a = (context.make_array(sig.args[i])(context, bd, args[i])
                               for i in (0, 1, 2, 5))
-        row = _Row(bd, fmt, x_a, w_a, b_a, args[3], args[4])
+        row = _Row(bd, fmt, elt, ct, x_a, w_a, b_a, args[3], args[4])
         centre_v, stream_v, ahead_v = (context.cast(bd, args[i], sig.args[i], t) for i, t in
                                        ((6, types.boolean), (7, types.boolean), (8, types.int64)))
         n = bd.extract_value(x_a.shape, 0)
         addr = bd.ptrtoint(y_a.data, I64)
-        aligned = bd.and_(stream_v, bd.icmp_unsigned("==", bd.and_(addr, _i64(1)), _i64(0)))
-        head = bd.lshr(bd.and_(bd.sub(_i64(0), addr), _i64(LINE - 1)), _i64(1))
+        aligned = bd.and_(stream_v, bd.icmp_unsigned("==", bd.and_(addr, _i64(size - 1)),
+                                                     _i64(0)))
+        head = bd.lshr(bd.and_(bd.sub(_i64(0), addr), _i64(LINE - 1)),
+                       _i64(size.bit_length() - 1))
         head = bd.select(aligned, bd.select(bd.icmp_unsigned("<", n, head), n, head), _i64(0))
-        whole = bd.udiv(bd.sub(n, head), _i64(STEP))
-        tail = bd.add(head, bd.mul(whole, _i64(STEP)))
+        whole = bd.udiv(bd.sub(n, head), _i64(step))
+        tail = bd.add(head, bd.mul(whole, _i64(step)))
         fetch = bd.icmp_signed("!=", ahead_v, ir.Constant(ahead_v.type, 0))
 
         def steps(start, count, width, ln, nontemporal=False, prefetch=False):
@@ -157,9 +171,9 @@ def half_norm_row(typingctx, xr, w, b, m, s, yr, centre, stream, ahead, dec):
                 j = bd.add(start, bd.mul(loop.index, _i64(width)))
                 if prefetch:
                     _prefetch(bd, bd.gep(x_a.data, [bd.add(j, ahead_v)]))
-                y = row.pairs(j, ln) if pairs and width == STEP else row.plain(j, width, ln)
-                p = bd.bitcast(bd.gep(y_a.data, [j]), ir.VectorType(I16, width).as_pointer())
-                st = bd.store(y, p, align=LINE if nontemporal else 2)
+                y = row.pairs(j, ln) if pairs and width == step else row.plain(j, width, ln)
+                p = bd.bitcast(bd.gep(y_a.data, [j]), ir.VectorType(elt, width).as_pointer())
+                st = bd.store(y, p, align=LINE if nontemporal else size)
                 if nontemporal:
                     st.set_metadata("nontemporal", bd.module.add_metadata([ir.Constant(I32, 1)]))
 
@@ -177,30 +191,32 @@ def half_norm_row(typingctx, xr, w, b, m, s, yr, centre, stream, ahead, dec):
                     with bd.if_then(bd.icmp_unsigned("==", aligned, ir.Constant(I1, nt))):
                         with bd.if_else(fetch) as (then, otherwise):
                             with then:
-                                steps(head, whole, STEP, ln, nt, prefetch=True)
+                                steps(head, whole, step, ln, nt, prefetch=True)
                             with otherwise:
-                                steps(head, whole, STEP, ln, nt)
+                                steps(head, whole, step, ln, nt)
                 few(tail, bd.sub(n, tail), ln)
         return context.get_dummy_value()
     return types.none(xr, w, b, m, s, yr, centre, stream, ahead, dec), codegen
 
 
 class _Row:
-    """The IR of one step of the formula over a row (see the module doc)."""
+    """The IR of one step of the formula over a row (see the module doc): elements of
+    LLVM type `elt` (16-bit patterns of format `fmt`, or floats), computed in `ct`."""
 
-    def __init__(self, b, fmt, x_a, w_a, b_a, mean, rstd):
-        self.b, self.fmt, self.x, self.w, self.beta = b, fmt, x_a, w_a, b_a
-        self.mean, self.rstd = mean, rstd
+    def __init__(self, b, fmt, elt, ct, x_a, w_a, b_a, mean, rstd):
+        self.b, self.fmt, self.elt, self.ct = b, fmt, elt, ct
+        self.x, self.w, self.beta, self.mean, self.rstd = x_a, w_a, b_a, mean, rstd
         self.params_16 = w_a.data.type.pointee == I16
 
     def load(self, arr, j, t, width):
         p = self.b.bitcast(self.b.gep(arr.data, [j]), ir.VectorType(t, width).as_pointer())
-        return self.b.load(p, align=4 if t is F32 else 2)  # pairs of halves: 2
+        return self.b.load(p, align={F32: 4, F64: 8}.get(t, 2))  # pairs of halves: 2
 
-    def param(self, arr, j, width):
-        if self.params_16:
-            return codec.DECODE_IR[self.fmt](self.b, self.load(arr, j, I16, width))
-        return self.load(arr, j, F32, width)
+    def element(self, arr, j, width, params=False):
+        """Elements j .. j + width - 1 of a row (`params`: of gamma or beta), as `ct`."""
+        if self.fmt is None or (params and not self.params_16):
+            return self.load(arr, j, self.ct, width)
+        return codec.DECODE_IR[self.fmt](self.b, self.load(arr, j, I16, width))
 
     def value(self, ln, xv, wv, bv, width):
         # flagged 'contract', which no operation here can use, so that Numba's fast-math
@@ -214,20 +230,21 @@ class _Row:
 
     def plain(self, j, width, ln):
         """Elements j .. j + width - 1: decoded, normalized and encoded as vectors."""
-        xv = codec.DECODE_IR[self.fmt](self.b, self.load(self.x, j, I16, width))
-        bv = self.param(self.beta, j, width) if ln else None
-        return encode_vector(self.b, self.value(ln, xv, self.param(self.w, j, width), bv, width),
-                             self.fmt)
+        bv = self.element(self.beta, j, width, params=True) if ln else None
+        v = self.value(ln, self.element(self.x, j, width),
+                       self.element(self.w, j, width, params=True), bv, width)
+        return v if self.fmt is None else encode_vector(self.b, v, self.fmt)
 
     def pairs(self, j, ln):
-        """The same for a whole step of bfloat16 row and parameters, read as STEP / 2
+        """The same for a whole step of bfloat16 row and parameters, read as 32-bit
         pairs: the even elements are a pair's low 16 bits moved up, the odd ones its high
         16 bits masked (two operations, where widening 16-bit lanes takes two shuffles);
         the two halves' encodings are interleaved back."""
-        half = STEP // 2
+        half = LINE // 4
         x2, w2 = (codec.decode_bf16_pairs_ir(self.b, self.load(a, j, I32, half))
                   for a in (self.x, self.w))
-        b2 = codec.decode_bf16_pairs_ir(self.b, self.load(self.beta, j, I32, half)) if ln else (None, None)
+        b2 = (codec.decode_bf16_pairs_ir(self.b, self.load(self.beta, j, I32, half)) if ln
+              else (None, None))
         v = [self.value(ln, x2[k], w2[k], b2[k], half) for k in (0, 1)]
         return _interleave(self.b, *_encode_bf16_hw(self.b, v))
 
@@ -253,5 +270,6 @@ def _interleave(b, lo, hi):
 def _fmuladd(b, ty):
     """llvm.fmuladd: one rounding where the CPU has a fused multiply-add (what 'contract'
     gave the loop this replaced), a multiply and an add where it has not."""
+    bits = 64 if ty.element == F64 else 32
     return cgutils.get_or_insert_function(
-        b.module, ir.FunctionType(ty, [ty] * 3), f"llvm.fmuladd.v{ty.count}f32")
+        b.module, ir.FunctionType(ty, [ty] * 3), f"llvm.fmuladd.v{ty.count}f{bits}")
