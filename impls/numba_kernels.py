@@ -10,9 +10,9 @@ the row's first 16 elements, added in float64, and summed again in float64 where
 could lose accuracy (_numba_rows._half_stats). The backward of float32 rows is computed
 in float32 as well, its row sums in float64 lanes fed by short float32 partial sums
 (_numba_lanes), dgamma/dbeta likewise (_numba_backward.FLUSH_ROWS_F32); float64 rows in
-float64. The kernels live in _numba_rows.py (forward), _numba_backward.py,
-_numba_codec.py, _numba_fused.py, _numba_bn.py and _numba_stream.py (large
-float32/float64 outputs written with streaming stores), compiled as _numba_jit.py says
+float64. The kernels live in _numba_rows.py (forward), _numba_norm_row.py (the forward's
+normalize loop, which streams large outputs: see _numba_stream.py), _numba_backward.py,
+_numba_codec.py, _numba_fused.py and _numba_bn.py, compiled as _numba_jit.py says
 (cached on disk; fast-math that keeps NaN and inf, except the backward, which is strict
 so that a row's dx has the same bits in any batch).
 """

@@ -180,26 +180,55 @@ def test_y_is_the_formula_rounded_once(normalize, fmt, dt, centre):
                              f"{want[~exact][:4]} [gamma {params.__name__}, fused: {fused}]")
 
 
-@pytest.mark.parametrize(("fmt", "dt"), FORMATS, ids=IDS)
-def test_rows_at_odd_addresses_are_not_streamed(normalize, fmt, dt):
-    """16-bit rows one byte off their alignment (a NumPy view of a byte buffer can be):
-    no line of y can be aligned, so nothing is streamed (a non-temporal store to an
-    unaligned line would fault), and the bits are those of aligned rows."""
-    d = 300
-    x = np.random.default_rng(2).normal(0, 1, d).astype(dt).view(np.uint16)
-    w = np.ones(d, dt).view(np.uint16)
+def _misaligned(a, offset):
+    """A copy of `a` at `offset` bytes past an aligned address, off its own alignment (a
+    NumPy view of a byte buffer can be)."""
+    raw = np.zeros(a.nbytes + 64 + offset, np.uint8)
+    start = -raw.ctypes.data % 64 + offset
+    view = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    view[...] = a
+    return view
 
-    def odd(a):
-        view = np.frombuffer(bytearray(a.nbytes + 1), np.uint16, a.size, offset=1)
-        view[:] = a
-        return view.reshape(1, -1)
-    want = np.zeros((1, d), np.uint16)
-    normalize(x.reshape(1, -1), w, w, 0.25, 0.5, want, True, fmt=fmt)
+
+@pytest.mark.parametrize(("kind", "offset"), [("float16", 1), ("bfloat16", 1), ("float32", 2),
+                                              ("float64", 2), ("float64", 4)])
+def test_rows_off_their_alignment_are_not_streamed(normalize, kind, offset):
+    """Rows `offset` bytes off their elements' alignment: no line of y can be aligned, so
+    nothing is streamed (a non-temporal store to an unaligned line would fault), and the
+    bits are those of aligned rows."""
+    d, half = 300, kind in ("float16", "bfloat16")
+    dt = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}.get(kind, np.dtype(kind))
+    x = np.random.default_rng(2).normal(0, 1, (2, d)).astype(dt)
+    w = np.random.default_rng(3).normal(1, 0.1, d).astype(dt)
+    if half:
+        x, w = x.view(np.uint16), w.view(np.uint16)
+    fmt = 0 if kind == "float16" else 1
+    want = np.zeros_like(x)
+    normalize(x, w, w, M, S, want, True, fmt=fmt)
     for stream in (False, True):
-        y = odd(np.zeros(d, np.uint16))
-        normalize(odd(x), odd(w)[0], odd(w)[0], 0.25, 0.5, y, True, stream, fmt=fmt)
-        same = _same(y, want, dt)
-        assert same.all(), f"stream={stream}: got {y[~same][:4]}, but aligned rows give {want[~same][:4]}"
+        y = _misaligned(np.zeros_like(x), offset)
+        normalize(_misaligned(x, offset), _misaligned(w, offset), _misaligned(w, offset), M, S,
+                  y, True, stream, fmt=fmt)
+        same = np.array_equal(y.view(np.uint8), want.view(np.uint8))
+        assert same, f"stream={stream}: got {y[0, :4]}, but aligned rows give {want[0, :4]}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_read_only_inputs(dtype):
+    """Read-only x, gamma and beta (a read-only memmap, np.frombuffer of bytes, another
+    framework's array) are normalized as writable ones are (Numba types them apart)."""
+    from normspec.impls import numba_kernels
+
+    backend = numba_kernels.make_backend()
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(4)
+    x, w, b = (rng.normal(0, 1, shape).astype(dt) for shape in ((5, 100), 100, 100))
+    want = backend.layer_norm(x, (100,), w, b, 1e-5).output, backend.rms_norm(x, (100,), w, 1e-5).output
+    for a in (x, w, b):
+        a.setflags(write=False)
+    got = backend.layer_norm(x, (100,), w, b, 1e-5).output, backend.rms_norm(x, (100,), w, 1e-5).output
+    for g, e in zip(got, want, strict=True):
+        assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(e).view(np.uint8))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
