@@ -68,13 +68,23 @@ def _kernels():
     return {name: COMPILING.time(k) for name, k in kernels.items()}
 
 
+def _writable(a):
+    """`a`, or a copy of it if it is read-only: Numba types read-only arrays apart, so
+    each kernel would be compiled again for them (seconds), and a kernel compiled in
+    another process or another order can round a reassociated sum differently (a
+    float64 row's mean was 1 ULP apart between a kernel loaded from Numba's cache and
+    the same kernel compiled afresh): one compiled kernel per dtype, whatever the
+    caller's arrays."""
+    return a if a.flags.writeable else a.copy()
+
+
 def _rows(a, d, ct):
-    return np.ascontiguousarray(a, dtype=ct).reshape(-1, d)
+    return _writable(np.ascontiguousarray(a, dtype=ct)).reshape(-1, d)
 
 
 def _bits(a, d):
     """A float16/bfloat16 array as rows of its 16-bit patterns (a view when contiguous)."""
-    return np.ascontiguousarray(a).reshape(-1, d).view(np.uint16)
+    return _writable(np.ascontiguousarray(a)).reshape(-1, d).view(np.uint16)
 
 
 #: Bytes every row of the backward's scratch starts on: one cache line, the width of the
@@ -109,7 +119,7 @@ def scratch_rows(n: int, d: int, dtypes) -> list[np.ndarray]:
 
 
 def _param(p, d, ct, fill):
-    return np.full(d, fill, ct) if p is None else np.ascontiguousarray(p, dtype=ct).reshape(d)
+    return np.full(d, fill, ct) if p is None else _writable(np.ascontiguousarray(p, dtype=ct)).reshape(d)
 
 
 def _half_params(w, b, dtype):
@@ -279,8 +289,8 @@ class NumbaBackend(Backend):
         centre = norm == "layer_norm"
         w, b = _param(weight, d, ct, 1.0), _param(bias, d, ct, 0.0)
         if x.dtype in HALF and grad_outputs is None:
-            x16 = np.ascontiguousarray(x).reshape(-1, d).view(np.uint16)
-            r16 = np.ascontiguousarray(residual).reshape(-1, d).view(np.uint16)
+            x16 = _bits(x, d)
+            r16 = _bits(residual, d)
             y16, s16 = np.empty_like(x16), np.empty_like(x16)
             self.k["half_add_norm_fwd"](x16, r16, w, b, float(eps), y16, s16,
                                         _chunks(x16.shape[0]), _FMT[x.dtype], centre)
@@ -361,7 +371,7 @@ class NumbaBatchNorm(RunningStatsLayer):
 
     def forward(self, x, grad_output=None):
         n, c = x.shape[:2]
-        x3 = np.ascontiguousarray(x, dtype=self.ct).reshape(n, c, -1)
+        x3 = _writable(np.ascontiguousarray(x, dtype=self.ct)).reshape(n, c, -1)
         m = n * x3.shape[2]
         batch = self.training or not self.stats.tracked
         if batch:
@@ -380,7 +390,7 @@ class NumbaBatchNorm(RunningStatsLayer):
         out = y.reshape(x.shape).astype(self.dtype)
         if grad_output is None:
             return Result(out)
-        g3 = np.ascontiguousarray(grad_output, dtype=self.ct).reshape(x3.shape)
+        g3 = _writable(np.ascontiguousarray(grad_output, dtype=self.ct)).reshape(x3.shape)
         dx, dw, db = np.empty(x3.shape), np.empty(c), np.empty(c)
         self.k["bn_bwd"](x3, self.w, g3, mean, var, float(self.eps), dx, dw, db, batch)
         gw = dw.astype(self.dtype) if self.affine else None

@@ -213,10 +213,31 @@ def test_rows_off_their_alignment_are_not_streamed(normalize, kind, offset):
         assert same, f"stream={stream}: got {y[0, :4]}, but aligned rows give {want[0, :4]}"
 
 
+@pytest.mark.parametrize(("kind", "fmt"), [("float32", 0), ("float64", 0), ("float16", 0),
+                                         ("bfloat16", 1)])
+def test_norm_row_takes_read_only_rows(normalize, kind, fmt):
+    """Read-only x, gamma and beta (Numba types them apart from writable ones): the same
+    bits as writable ones."""
+    dt = ml_dtypes.bfloat16 if kind == "bfloat16" else np.dtype(kind)
+    rng = np.random.default_rng(6)
+    x, w, b = (rng.normal(0, 1, shape).astype(dt) for shape in ((3, 70), 70, 70))
+    if kind in ("float16", "bfloat16"):
+        x, w, b = x.view(np.uint16), w.view(np.uint16), b.view(np.uint16)
+    want = np.zeros_like(x)
+    normalize(x, w, b, M, S, want, True, fmt=fmt)
+    for a in (x, w, b):
+        a.setflags(write=False)
+    got = np.zeros_like(x)
+    normalize(x, w, b, M, S, got, True, fmt=fmt)
+    assert np.array_equal(got, want), f"got {got[0, :4]}, but writable rows give {want[0, :4]}"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 def test_read_only_inputs(dtype):
     """Read-only x, gamma and beta (a read-only memmap, np.frombuffer of bytes, another
-    framework's array) are normalized as writable ones are (Numba types them apart)."""
+    framework's array) are normalized as writable ones are, by the same compiled kernel:
+    the backend copies them (numba_kernels._writable), so no second kernel is compiled,
+    which could round the statistics' reassociated sums otherwise."""
     from normspec.impls import numba_kernels
 
     backend = numba_kernels.make_backend()
