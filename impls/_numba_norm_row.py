@@ -69,13 +69,21 @@ def _bfloat_type():
     return BFloat()
 
 
+#: The oldest LLVM the bfloat16 instruction path is used with: 22 is the one it was
+#: built and tested on; LLVM 14 (Numba 0.60) aborts on it (no llvm.is.fpclass, no
+#: bfloat fptrunc on x86), and the versions between are untested, so they take the
+#: integer codec.
+BF16_HW_LLVM = (20,)
+
+
 def _host_has_bf16_rounding() -> bool:
     """Whether this CPU rounds float32 to bfloat16 in one instruction (AVX512-BF16), which
     LLVM then emits for a vector fptrunc to bfloat (elsewhere it would call a runtime
-    helper Numba may not link). Numba compiles for the host and keys its disk cache on
-    it, as _numba_codec.F16C says."""
+    helper Numba may not link), and this LLVM is one that does so (BF16_HW_LLVM). Numba
+    compiles for the host and keys its disk cache on it, as _numba_codec.F16C says."""
     try:
-        return bool(llvm.get_host_cpu_features().get("avx512bf16"))
+        return (tuple(llvm.llvm_version_info) >= BF16_HW_LLVM
+                and bool(llvm.get_host_cpu_features().get("avx512bf16")))
     except Exception:  # noqa: BLE001 - a host LLVM cannot describe: the integer codec
         return False
 
