@@ -90,6 +90,13 @@ def decode_bf16_pairs_ir(b, pairs):
 DECODE_IR = (decode_f16_ir, decode_bf16_ir)
 
 
+def c_row(a, *dtypes):
+    """Whether Numba type `a` is a C-contiguous 1-D array (of one of `dtypes`, if given):
+    the rows the vector kernels load whole vectors from."""
+    return (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+            and (not dtypes or a.dtype in dtypes))
+
+
 def format_of(dec):
     """The format (0 float16, 1 bfloat16) a jitted wrapper of decode_f16/decode_bf16
     decodes, as a vector kernel's typing sees it (by the name of the function it wraps,

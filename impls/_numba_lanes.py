@@ -26,7 +26,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_codec import DECODE_IR, format_of, splat
+from ._numba_codec import DECODE_IR, c_row, format_of, splat
 
 #: Lanes of the row sums (the backward's LANES).
 LANES = 16
@@ -54,11 +54,6 @@ def _format(x, cv):
     return None
 
 
-def _row(a, dtype=None):
-    return (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
-            and (dtype is None or a.dtype == dtype))
-
-
 @intrinsic
 def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv):
     """Sums of h and h x_hat over the first `whole` elements (a multiple of LANES) of the
@@ -69,13 +64,13 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv):
     C-contiguous, of one element type, gamma and m of the compute type: anything else
     does not type."""
     fmt = _format(xr, cv)
-    if fmt is None or not (_row(xr) and _row(gr, xr.dtype) and isinstance(lanes, types.Array)
+    if fmt is None or not (c_row(xr) and c_row(gr, xr.dtype) and isinstance(lanes, types.Array)
                            and lanes.ndim == 2 and lanes.layout == "C"
                            and lanes.dtype == types.float64):
         return None
     elt, ct, decode = fmt
     compute = types.float64 if ct is F64 else types.float32
-    if not (_row(wr, compute) and m == compute and s == compute
+    if not (c_row(wr, compute) and m == compute and s == compute
             and isinstance(block_steps, types.IntegerLiteral) and block_steps.literal_value >= 1):
         return None
     per_block = block_steps.literal_value  # a constant: a run-time count cost 18% (float16)

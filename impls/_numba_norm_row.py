@@ -122,11 +122,6 @@ def encode_vector(b, v, fmt):
     return codec.encode_bf16_ir(b, v)
 
 
-def _row(a, *dtypes):
-    return (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
-            and a.dtype in dtypes)
-
-
 #: (LLVM element type, compute type, Numba compute type, bytes) of the rows norm_row takes.
 _FLOAT_ROWS = {types.float32: (F32, F32, types.float32, 4),
                types.float64: (F64, F64, types.float64, 8)}
@@ -142,28 +137,29 @@ def norm_row(typingctx, xr, w, b, m, s, yr, centre, stream, ahead, dec):
     C-contiguous of one length. `ahead`: how many elements after xr's start the row to
     be normalized next starts (0: none), which each step prefetches a line of.
     Anything else does not type."""
-    fmt = codec.format_of(dec) if _row(xr, types.uint16) else None
+    fmt = codec.format_of(dec) if codec.c_row(xr, types.uint16) else None
     if fmt is not None:
         elt, ct, compute, size = I16, F32, types.float32, 2
-        params_ok = _row(w, types.uint16, types.float32)
-    elif isinstance(xr, types.Array) and xr.dtype in _FLOAT_ROWS and _row(xr, xr.dtype):
+        params_ok = codec.c_row(w, types.uint16, types.float32)
+    elif codec.c_row(xr) and xr.dtype in _FLOAT_ROWS:
         elt, ct, compute, size = _FLOAT_ROWS[xr.dtype]
-        params_ok = _row(w, xr.dtype)
+        params_ok = codec.c_row(w, xr.dtype)
     else:
         return None
     # dtypes and layouts, not whole types: those tell read-only arrays from writable ones
-    if not (params_ok and _row(yr, xr.dtype) and yr.mutable and _row(b, w.dtype)
+    if not (params_ok and codec.c_row(yr, xr.dtype) and yr.mutable and codec.c_row(b, w.dtype)
             and m == compute and s == compute
             and isinstance(ahead, types.Integer)
             and isinstance(centre, types.Boolean) and isinstance(stream, types.Boolean)):
         return None
     step = LINE // size
+    params_16 = w.dtype == types.uint16
 
     def codegen(context, bd, sig, args):
-        pairs = fmt == 1 and w.dtype == types.uint16 and BF16_HW  # as compiled now
+        pairs = fmt == 1 and params_16 and BF16_HW  # as compiled now
         x_a, w_a, b_a, y_a = (context.make_array(sig.args[i])(context, bd, args[i])
                               for i in (0, 1, 2, 5))
-        row = _Row(bd, fmt, elt, ct, x_a, w_a, b_a, args[3], args[4])
+        row = _Row(bd, fmt, ct, params_16, x_a, w_a, b_a, args[3], args[4])
         centre_v, stream_v, ahead_v = (context.cast(bd, args[i], sig.args[i], t) for i, t in
                                        ((6, types.boolean), (7, types.boolean), (8, types.int64)))
         n = bd.extract_value(x_a.shape, 0)
@@ -222,13 +218,13 @@ def norm_row(typingctx, xr, w, b, m, s, yr, centre, stream, ahead, dec):
 
 
 class _Row:
-    """The IR of one step of the formula over a row (see the module doc): elements of
-    LLVM type `elt` (16-bit patterns of format `fmt`, or floats), computed in `ct`."""
+    """The IR of one step of the formula over a row (see the module doc): 16-bit patterns
+    of format `fmt` (None: float rows), computed in `ct`; gamma and beta 16-bit patterns
+    too when `params_16`."""
 
-    def __init__(self, b, fmt, elt, ct, x_a, w_a, b_a, mean, rstd):
-        self.b, self.fmt, self.elt, self.ct = b, fmt, elt, ct
+    def __init__(self, b, fmt, ct, params_16, x_a, w_a, b_a, mean, rstd):
+        self.b, self.fmt, self.ct, self.params_16 = b, fmt, ct, params_16
         self.x, self.w, self.beta, self.mean, self.rstd = x_a, w_a, b_a, mean, rstd
-        self.params_16 = w_a.data.type.pointee == I16
 
     def load(self, arr, j, t, width):
         p = self.b.bitcast(self.b.gep(arr.data, [j]), ir.VectorType(t, width).as_pointer())
