@@ -51,11 +51,12 @@ class _WholeKernelStamp:
 def _install_locators() -> bool:
     """Put the stamped locators in front of Numba's own, in Numba's order (a
     user-provided NUMBA_CACHE_DIR first, then beside the source, then user-wide).
-    False (Numba's default behaviour kept) where this Numba lacks those classes."""
+    Numba 0.60 names those classes with a leading underscore. False (Numba's
+    default behaviour kept) where this Numba lacks them."""
     from numba.core import caching
 
     impl = getattr(caching, "CacheImpl", None)
-    bases = [getattr(caching, n, None) for n in
+    bases = [getattr(caching, n, None) or getattr(caching, "_" + n, None) for n in
              ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")]
     if impl is None or None in bases:
         return False

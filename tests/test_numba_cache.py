@@ -49,3 +49,25 @@ def test_normspec_kernels_use_the_stamped_locator_and_other_code_does_not(tmp_pa
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("users_kernels", None)
+
+
+def test_the_locators_install_under_numba_0_60_class_names(monkeypatch):
+    """Numba 0.60 names its locator classes with a leading underscore
+    (`_InTreeCacheLocator`); the package allows numba>=0.60, where the stamped locators
+    were once silently not installed (stale kernels after an edit of the codec alone)."""
+    from normspec.impls import _numba_jit
+    from numba.core import caching
+
+    names = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
+    bases = [getattr(caching, n, None) or getattr(caching, "_" + n) for n in names]
+    for name, base in zip(names, bases, strict=True):
+        monkeypatch.delattr(caching, name, raising=False)
+        monkeypatch.setattr(caching, "_" + name, base, raising=False)
+    numba_own = [c for c in caching.CacheImpl._locator_classes
+                 if not issubclass(c, _numba_jit._WholeKernelStamp)]
+    monkeypatch.setattr(caching.CacheImpl, "_locator_classes", list(numba_own))
+    assert _numba_jit._install_locators()
+    installed = caching.CacheImpl._locator_classes[:3]
+    assert [c.__mro__[2] for c in installed] == bases
+    assert all(issubclass(c, _numba_jit._WholeKernelStamp) for c in installed)
+    assert caching.CacheImpl._locator_classes[3:] == numba_own
