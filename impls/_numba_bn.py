@@ -1,29 +1,51 @@
 """The BatchNorm kernels: per-channel statistics over the batch and every axis after the
 channel (float64 accumulation), the normalization, and the backward (the training
-formula with batch statistics, dx = gamma g r with running ones)."""
+formula with batch statistics, dx = gamma g r with running ones).
+
+The statistics and the backward sum in one fixed order, so their bits do not depend on
+how a compilation of them happened to order a sum (see _numba_moments: with fast-math
+reassociation, a process that compiled these kernels and one that loaded them from
+Numba's cache gave float64 BatchNorm outputs apart, 4 shapes of 5 tried): the
+statistics add each row x[i, c, :]'s sums (_numba_moments, in its lanes; element by
+element for rows shorter than SHORT_ROWS) in row order, in a kernel compiled strict;
+the backward's sums run element by element in order, strict too (no fast-math flag:
+not vectorized, which cost 0.84-1.13x of the time on the shapes measured)."""
 
 import math
 
 import numpy as np
 from numba import prange
 
-from ._numba_jit import jit
+from ._numba_jit import jit, jit_strict
+from ._numba_moments import moment_sums
+
+#: Rows x[i, c, :] shorter than this are summed element by element (in order): a row's
+#: vector sums cost more than its few elements ([65536, 64] float64: 1.9x the time).
+SHORT_ROWS = 8
 
 
-@jit
+@jit_strict
 def bn_stats(x, mean_out, sumsq_out):
+    """Per channel c, the mean and the sum of squared deviations from it of x[:, c, :]
+    (C-contiguous [n, ch, length]), two passes, each row's sums added in row order."""
     n, ch, length = x.shape
     for c in prange(ch):
         acc = 0.0
         for i in range(n):
-            for l_ in range(length):
-                acc += np.float64(x[i, c, l_])
+            if length < SHORT_ROWS:
+                for l_ in range(length):
+                    acc += np.float64(x[i, c, l_])
+            else:
+                acc += moment_sums(x[i, c], 0.0, None)[0]
         mu = acc / (n * length)
         sq = 0.0
         for i in range(n):
-            for l_ in range(length):
-                v = np.float64(x[i, c, l_]) - mu
-                sq += v * v
+            if length < SHORT_ROWS:
+                for l_ in range(length):
+                    v = np.float64(x[i, c, l_]) - mu
+                    sq += v * v
+            else:
+                sq += moment_sums(x[i, c], mu, None)[1]
         mean_out[c] = mu
         sumsq_out[c] = sq
 
@@ -36,7 +58,7 @@ def bn_apply(x, mean, var, w, b, eps, y):
             for l_ in range(length):
                 y[i, c, l_] = (np.float64(x[i, c, l_]) - mean[c]) * s * w[c] + b[c]
 
-@jit
+@jit_strict
 def bn_bwd(x, w, g, mean, var, eps, dx, dw, db, batch):
     """dL/dx, dL/dgamma, dL/dbeta per channel. With `batch` the statistics are the
     batch's, functions of x: dx = r (h - mean(h) - x_hat mean(h x_hat)). Without (eval

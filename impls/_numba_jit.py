@@ -1,8 +1,14 @@
 """How the numba kernels are compiled, in one place: parallel over rows, cached on disk
 (a second process loads the machine code instead of compiling it again), fast-math
-restricted to reassociation, contraction and no-signed-zeros, which lets LLVM vectorize
-the reductions; 'nnan'/'ninf' are left out on purpose, so NaN and inf propagate as IEEE
-arithmetic says (the F2/F3.nan_inf check). Imported only when the numba backend is made.
+restricted to contraction (a multiply and an add fused into one rounding). No
+reassociation: with it, the order of a sum was whatever each optimization of a loop
+picked, and Numba optimizes a parallel kernel's body twice (alone, the copy the
+compiling process runs, and linked into the kernel, the copy its cache keeps), so a run
+that compiled the kernels and one that loaded them gave different bits; every sum is
+written out in one order instead (_numba_moments, _numba_lanes) or runs element by
+element. 'nnan'/'ninf' are left out on purpose, so NaN and inf propagate as IEEE
+arithmetic says (the F2/F3.nan_inf check), and 'nsz', so the sign of a zero does too.
+Imported only when the numba backend is made.
 
 Numba keys a cached kernel on the source file that defines it, not on the files it calls
 into: after an edit of _numba_codec.py alone (or an upgrade that changes only it), the
@@ -18,7 +24,7 @@ import time
 
 from numba import njit
 
-FASTMATH = {"reassoc", "contract", "nsz"}
+FASTMATH = {"contract"}
 KERNEL_MODULES = __name__.rsplit(".", 1)[0] + "._numba_"
 HERE = os.path.dirname(os.path.abspath(__file__))
 

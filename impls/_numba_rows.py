@@ -3,9 +3,10 @@
 normalized from cache; and the half-precision forward that decodes and encodes the
 16-bit values itself (its statistics in float32 blocks where that is exact enough, see
 _half_stats; its normalize loop is _numba_norm_row). A row's bits never depend on its
-batch or on where its arrays lie: every sum that decides them runs in a loop of its own
-(no stores, so no run-time alias test picks between two codings of it). Large outputs
-are streamed to memory (_numba_stream). The backward is _numba_backward.py."""
+batch, on where its arrays lie or on the process: every sum that decides them is
+_numba_moments' fixed order, in a call of its own (no stores, so no run-time alias test
+picks between two codings of it). Large outputs are streamed to memory
+(_numba_stream). The backward is _numba_backward.py."""
 
 import math
 
@@ -15,6 +16,7 @@ from numba.extending import overload
 
 from . import _numba_codec as codec
 from ._numba_jit import inline, jit
+from ._numba_moments import HEAD, block_sums, head_sum, moment_sums
 from ._numba_norm_row import norm_row
 from ._numba_stream import store_fence
 
@@ -23,14 +25,10 @@ from ._numba_stream import store_fence
 def shifted_sums(xr, d):
     """Sums of (x - k) and (x - k)^2 in float64 with k = x[0]: one read of the row, and
     k lies within a few spreads of the mean, so s2/d - (s1/d)^2 does not cancel (the
-    shifted-data variance), however large the mean."""
+    shifted-data variance), however large the mean. In the fixed order of
+    _numba_moments (every d of the C-contiguous rows the kernels pass)."""
     k = np.float64(xr[0])
-    s1 = 0.0
-    s2 = 0.0
-    for j in range(d):
-        v = np.float64(xr[j]) - k
-        s1 += v
-        s2 += v * v
+    s1, s2 = moment_sums(xr, k, None)
     return k, s1, s2
 
 @inline
@@ -43,11 +41,8 @@ def moments(k, s1, s2, d, eps):
 
 @inline
 def sum_squares(xr, d):
-    s = 0.0
-    for j in range(d):
-        v = np.float64(xr[j])
-        s += v * v
-    return s
+    """The sum of x^2 in float64, in the fixed order of _numba_moments."""
+    return moment_sums(xr, 0.0, None)[1]
 
 
 @inline
@@ -137,14 +132,9 @@ def encode_bf16(v):
 
 @inline
 def _half_sums(xr, d, k, dec):
-    """Sums of (x - k) and (x - k)^2 over a 16-bit row, in float64 (k = 0 for RMSNorm)."""
-    s1 = 0.0
-    s2 = 0.0
-    for j in range(d):
-        t = np.float64(dec(xr[j])) - k
-        s1 += t
-        s2 += t * t
-    return s1, s2
+    """Sums of (x - k) and (x - k)^2 over a 16-bit row, in float64 (k = 0 for RMSNorm),
+    in the fixed order of _numba_moments."""
+    return moment_sums(xr, k, dec)
 
 @inline
 def _half_moments(k, s1, s2, d, eps, centre):
@@ -163,7 +153,7 @@ SUM_BLOCK = 512
 #: Largest (mean - shift)^2 / variance the float32 block sums are trusted with.
 MAX_SHIFT_RATIO = 3.0
 #: Leading elements of a row whose mean is the shift of its LayerNorm sums.
-SHIFT_SAMPLES = 16
+SHIFT_SAMPLES = HEAD
 #: Below this mean square (of x - shift) float32 squares may have underflowed.
 TINY_MEAN_SQUARE = 2.0 ** -80
 
@@ -171,38 +161,20 @@ TINY_MEAN_SQUARE = 2.0 ** -80
 @inline
 def _half_sums32(xr, d, k, dec):
     """_half_sums with the arithmetic in float32 over blocks of SUM_BLOCK elements, each
-    block's sums added in float64: float32 has no conversion to float64 per element,
-    which made the sums cost as much as the rest of the forward. A float32 block sum
-    rounds at most SUM_BLOCK / lanes + log2(lanes) times as LLVM vectorizes it (16 lanes
-    here: 36 additions), and each term carries up to 3 more from before it is added
-    (t = x - k, t * t): 39 roundings, 2^-18.7 relative, vectorized; at most
-    SUM_BLOCK + 3 = 515 (2^-15.0) were the loop ever compiled scalar; the caller checks
-    when either is not enough. Blocks of 512 rather than 128: the float32 sums of a row
-    in L1 went from 11 to 16 G elements/s on one core (the horizontal sum of each
-    block's vector is the difference). (Rows are sliced per block so that every index
-    starts at 0: Numba then knows it is not negative.)"""
-    s1 = 0.0
-    s2 = 0.0
-    for j0 in range(0, d, SUM_BLOCK):
-        xb = xr[j0:j0 + SUM_BLOCK]
-        a = np.float32(0.0)
-        q = np.float32(0.0)
-        for j in range(xb.shape[0]):
-            t = dec(xb[j]) - k
-            a += t
-            q += t * t
-        s1 += np.float64(a)
-        s2 += np.float64(q)
-    return s1, s2
+    block's sums added in float64 (_numba_moments.block_sums): float32 has no conversion
+    to float64 per element, which made the sums cost as much as the rest of the forward.
+    A float32 block sum rounds at most 8 times in its lane and 6 in the tree of 64 lanes
+    (_numba_moments), and each term carries 1 more from before it is added (t = x - k;
+    t * t is added by a fused multiply-add): 15 roundings, 2^-20.1 relative; the caller
+    checks when that is not enough. Blocks of 512 rather than 128: with the loop LLVM
+    vectorized itself before, the float32 sums of a row in L1 went from 11 to 16 G
+    elements/s on one core (each block ends in a sum across its lanes)."""
+    return block_sums(xr, k, dec, SUM_BLOCK)
 
 
 @inline
 def _shift(xr, d, dec):
-    n = min(d, SHIFT_SAMPLES)
-    k = 0.0
-    for j in range(n):
-        k += np.float64(dec(xr[j]))
-    return np.float32(k / n)
+    return np.float32(head_sum(xr, dec) / min(d, SHIFT_SAMPLES))
 
 
 @inline
@@ -211,15 +183,13 @@ def _half_stats(xr, d, eps, centre, dec):
     float32 blocks, the shift k the mean of the row's first SHIFT_SAMPLES elements
     (taken in float64, so it cannot overflow, then rounded to float32). Their error,
     relative to the variance, is at most 3 block roundings (see _half_sums32) times
-    (1 + c^2), c = |mean - k| / std: with c^2 <= MAX_SHIFT_RATIO, below 12 * 2^-18.7 =
-    2^-15.1 vectorized as here (rstd off by 2^-16.1, a 34th of float16's unit roundoff)
-    and below 12 * 2^-15.0 = 2^-11.4 even scalar (rstd 2^-12.4, under half of it, which
-    the output bound of the conformance checks covers). The mean of 16 elements is
-    within a quarter of a standard deviation of the row's for most rows (c^2 ~ 1/16);
-    with k = x[0], as before, one Gaussian row in 12 would have missed c^2 <= 3. A row
-    outside that (outliers among its first elements), or whose float32 squares may have
-    overflowed (bfloat16 beyond ~1e19), underflowed (mean square below TINY_MEAN_SQUARE)
-    or met NaN/inf, is summed again in float64."""
+    (1 + c^2), c = |mean - k| / std: with c^2 <= MAX_SHIFT_RATIO, below 12 * 2^-20.1 =
+    2^-16.5 (rstd off by 2^-17.5, a 90th of float16's unit roundoff). The mean of 16
+    elements is within a quarter of a standard deviation of the row's for most rows
+    (c^2 ~ 1/16); with k = x[0], as before, one Gaussian row in 12 would have missed
+    c^2 <= 3. A row outside that (outliers among its first elements), or whose float32
+    squares may have overflowed (bfloat16 beyond ~1e19), underflowed (mean square below
+    TINY_MEAN_SQUARE) or met NaN/inf, is summed again in float64."""
     k = _shift(xr, d, dec) if centre else np.float32(0.0)
     s1, s2 = _half_sums32(xr, d, k, dec)
     m1 = s1 / d

@@ -70,11 +70,10 @@ def _kernels():
 
 def _writable(a):
     """`a`, or a copy of it if it is read-only: Numba types read-only arrays apart, so
-    each kernel would be compiled again for them (seconds), and a kernel compiled in
-    another process or another order can round a reassociated sum differently (a
-    float64 row's mean was 1 ULP apart between a kernel loaded from Numba's cache and
-    the same kernel compiled afresh): one compiled kernel per dtype, whatever the
-    caller's arrays."""
+    each kernel would be compiled again for them (seconds): one compiled kernel per
+    dtype, whatever the caller's arrays. (That second kernel, loaded from Numba's cache
+    while the first was compiled afresh, once rounded a float64 row's mean 1 ULP apart;
+    the sums are in a fixed order now, see _numba_moments.)"""
     return a if a.flags.writeable else a.copy()
 
 

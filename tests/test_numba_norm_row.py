@@ -236,8 +236,7 @@ def test_norm_row_takes_read_only_rows(normalize, kind, fmt):
 def test_read_only_inputs(dtype):
     """Read-only x, gamma and beta (a read-only memmap, np.frombuffer of bytes, another
     framework's array) are normalized as writable ones are, by the same compiled kernel:
-    the backend copies them (numba_kernels._writable), so no second kernel is compiled,
-    which could round the statistics' reassociated sums otherwise."""
+    the backend copies them (numba_kernels._writable), so no second kernel is compiled."""
     from normspec.impls import numba_kernels
 
     backend = numba_kernels.make_backend()
