@@ -6,10 +6,10 @@ The statistics and the backward sum in one fixed order, so their bits do not dep
 how a compilation of them happened to order a sum (see _numba_moments: with fast-math
 reassociation, a process that compiled these kernels and one that loaded them from
 Numba's cache gave float64 BatchNorm outputs apart, 4 shapes of 5 tried): the
-statistics add each row x[i, c, :]'s sums (_numba_moments, in its lanes; element by
-element for rows shorter than SHORT_ROWS) in row order, in a kernel compiled strict;
-the backward's sums run element by element in order, strict too (no fast-math flag:
-not vectorized, which cost 0.84-1.13x of the time on the shapes measured)."""
+statistics are _numba_moments' lane sums of each row x[i, c, :], added in row order
+(short rows are laid out as one row per channel first, SHORT_ROWS); the backward's sums
+run element by element in order, compiled strict (no fast-math flag: not
+vectorized)."""
 
 import math
 
@@ -19,33 +19,26 @@ from numba import prange
 from ._numba_jit import jit, jit_strict
 from ._numba_moments import moment_sums
 
-#: Rows x[i, c, :] shorter than this are summed element by element (in order): a row's
-#: vector sums cost more than its few elements ([65536, 64] float64: 1.9x the time).
-SHORT_ROWS = 8
+#: Channels whose rows x[i, c, :] are shorter than this are laid out as one row first
+#: (numba_kernels.NumbaBatchNorm): the sums of rows of a few elements, added row by row,
+#: were both slow and a long sequential sum ([65535, 2]: running_var 42 float64 ULPs off).
+SHORT_ROWS = 32
 
 
 @jit_strict
 def bn_stats(x, mean_out, sumsq_out):
     """Per channel c, the mean and the sum of squared deviations from it of x[:, c, :]
-    (C-contiguous [n, ch, length]), two passes, each row's sums added in row order."""
+    (C-contiguous [n, ch, length]), two passes: each row's lane sums (_numba_moments),
+    added in row order."""
     n, ch, length = x.shape
     for c in prange(ch):
         acc = 0.0
         for i in range(n):
-            if length < SHORT_ROWS:
-                for l_ in range(length):
-                    acc += np.float64(x[i, c, l_])
-            else:
-                acc += moment_sums(x[i, c], 0.0, None)[0]
+            acc += moment_sums(x[i, c], 0.0, None)[0]
         mu = acc / (n * length)
         sq = 0.0
         for i in range(n):
-            if length < SHORT_ROWS:
-                for l_ in range(length):
-                    v = np.float64(x[i, c, l_]) - mu
-                    sq += v * v
-            else:
-                sq += moment_sums(x[i, c], mu, None)[1]
+            sq += moment_sums(x[i, c], mu, None)[1]
         mean_out[c] = mu
         sumsq_out[c] = sq
 

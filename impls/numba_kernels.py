@@ -10,11 +10,12 @@ the row's first 16 elements, added in float64, and summed again in float64 where
 could lose accuracy (_numba_rows._half_stats). The backward of float32 rows is computed
 in float32 as well, its row sums in float64 lanes fed by short float32 partial sums
 (_numba_lanes), dgamma/dbeta likewise (_numba_backward.FLUSH_ROWS_F32); float64 rows in
-float64. The kernels live in _numba_rows.py (forward), _numba_norm_row.py (the forward's
-normalize loop, which streams large outputs: see _numba_stream.py), _numba_backward.py,
-_numba_codec.py, _numba_fused.py and _numba_bn.py, compiled as _numba_jit.py says
-(cached on disk; fast-math that keeps NaN and inf, except the backward, which is strict
-so that a row's dx has the same bits in any batch).
+float64. The kernels live in _numba_rows.py (forward), _numba_moments.py (its row
+sums), _numba_norm_row.py (its normalize loop, which streams large outputs: see
+_numba_stream.py), _numba_backward.py, _numba_codec.py, _numba_fused.py and
+_numba_bn.py, compiled as _numba_jit.py says (cached on disk; no fast-math but
+contraction, and every sum in one written-out order, so a row's bits are the same in
+any batch and in every process).
 """
 
 from __future__ import annotations
@@ -367,6 +368,9 @@ class NumbaBatchNorm(RunningStatsLayer):
         self.b = _param(bias if affine else None, c, np.float64, 0.0)
         self.stats = RunningStats(c, track, self.ct, dtype, momentum)
         self.training = True
+        from ._numba_bn import SHORT_ROWS
+
+        self.short_rows = SHORT_ROWS
 
     def forward(self, x, grad_output=None):
         n, c = x.shape[:2]
@@ -378,7 +382,9 @@ class NumbaBatchNorm(RunningStatsLayer):
                 raise ValueError(f"Expected more than 1 value per channel when training, "
                                  f"got input of shape {x.shape}")
             mean, sumsq = np.empty(c), np.empty(c)
-            self.k["bn_stats"](x3, mean, sumsq)
+            rows = x3 if x3.shape[2] >= self.short_rows else (
+                np.ascontiguousarray(x3.transpose(1, 0, 2)).reshape(1, c, m))
+            self.k["bn_stats"](rows, mean, sumsq)
             var = sumsq / m
             if self.training and self.stats.tracked:
                 self.stats.update(mean, sumsq, m)

@@ -59,9 +59,6 @@ KNOWN_FINDINGS = {
         "affine step, y = x a + (beta - mean a), a = gamma r ~ 316, and mean a ~ 3e32 "
         "swallows beta (torch.toml's entry for BatchNorm's bfloat16 statistics leaves this "
         "check out: its reason explains neither)",
-    ("numba", "F1/F5.row_counts", "float64", "batch_norm.running_var"):
-        "our numba BatchNorm accumulates the batch statistics sequentially: at 65535 samples "
-        "running_var is 42 ULPs of float64 off at scale, bound 35 (tree summation)",
 }
 
 
