@@ -5,7 +5,8 @@ formula with batch statistics, dx = gamma g r with running ones).
 The statistics and the backward sum in one fixed order, so their bits do not depend on
 how a compilation of them happened to order a sum (see _numba_moments: with fast-math
 reassociation, a process that compiled these kernels and one that loaded them from
-Numba's cache gave float64 BatchNorm outputs apart, 4 shapes of 5 tried): the
+Numba's cache gave float64 BatchNorm results apart, outputs and gradients, at 4 of 5
+shapes): the
 statistics are _numba_moments' lane sums of each row x[i, c, :], added in row order
 (short rows are laid out as one row per channel first, SHORT_ROWS); the backward's sums
 run element by element in order, compiled strict (no fast-math flag: not

@@ -8,8 +8,8 @@ that runs in the process that compiles it, and once linked into the kernel, the 
 its disk cache keeps and every later process runs. The two summed float64 rows in
 different orders: a process that compiled the kernels and one that loaded them from the
 cache gave float64 LayerNorm outputs 1 ULP apart (one row in seven, d = 1000; rows of
-d = 33, 4096 and 70003 too), and float64 BatchNorm outputs as well, so the bits of a
-run depended on whether Numba's cache was warm. Without 'reassoc' the two copies agreed
+d = 33, 4096 and 70003 too), so the bits of a run depended on whether Numba's cache
+was warm. Without 'reassoc' the two copies agreed
 (measured); here there is nothing to reassociate, and _numba_jit.FASTMATH no longer
 allows it anywhere.
 
@@ -25,8 +25,9 @@ block_sums (16-bit rows): the same in float32, over blocks of `block` elements f
 row's start, HALF_LANES lanes; each block's lanes added pairwise to one float32 sum,
 converted to float64 and added to the row's float64 sums in block order (float32 has no
 conversion per element, which made float64 sums of 16-bit rows cost as much as the
-rest of the forward). A block's float32 sum then rounds at most block / HALF_LANES + 1
-times in its lane and log2(HALF_LANES) times more in the tree: 15 for blocks of 512.
+rest of the forward). A block's float32 sum then rounds at most block / HALF_LANES - 1
+times in its lane (its first addition, to +0.0, is exact) and log2(HALF_LANES) times
+more in the tree: 13 for blocks of 512 (_numba_rows._half_sums32 adds the terms' own).
 
 Every operation is flagged 'contract', which none of them can use, so that Numba's
 fast-math pass (it flags the float operations that have none) leaves them as written."""

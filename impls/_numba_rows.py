@@ -28,7 +28,7 @@ def shifted_sums(xr, d):
     shifted-data variance), however large the mean. In the fixed order of
     _numba_moments (every d of the C-contiguous rows the kernels pass)."""
     k = np.float64(xr[0])
-    s1, s2 = moment_sums(xr, k, None)
+    s1, s2 = moment_sums(xr[:d], k, None)
     return k, s1, s2
 
 @inline
@@ -42,7 +42,7 @@ def moments(k, s1, s2, d, eps):
 @inline
 def sum_squares(xr, d):
     """The sum of x^2 in float64, in the fixed order of _numba_moments."""
-    return moment_sums(xr, 0.0, None)[1]
+    return moment_sums(xr[:d], 0.0, None)[1]
 
 
 @inline
@@ -134,7 +134,7 @@ def encode_bf16(v):
 def _half_sums(xr, d, k, dec):
     """Sums of (x - k) and (x - k)^2 over a 16-bit row, in float64 (k = 0 for RMSNorm),
     in the fixed order of _numba_moments."""
-    return moment_sums(xr, k, dec)
+    return moment_sums(xr[:d], k, dec)
 
 @inline
 def _half_moments(k, s1, s2, d, eps, centre):
@@ -163,18 +163,19 @@ def _half_sums32(xr, d, k, dec):
     """_half_sums with the arithmetic in float32 over blocks of SUM_BLOCK elements, each
     block's sums added in float64 (_numba_moments.block_sums): float32 has no conversion
     to float64 per element, which made the sums cost as much as the rest of the forward.
-    A float32 block sum rounds at most 8 times in its lane and 6 in the tree of 64 lanes
-    (_numba_moments), and each term carries 1 more from before it is added (t = x - k;
-    t * t is added by a fused multiply-add): 15 roundings, 2^-20.1 relative; the caller
+    A float32 block sum rounds at most 7 times in its lane (8 additions, the first to
+    +0.0 exact) and 6 in the tree of 64 lanes (_numba_moments), and each term carries up
+    to 2 more from before it is added (t = x - k, twice in t * t, which a fused
+    multiply-add adds with one rounding): 15 roundings, 2^-20.1 relative; the caller
     checks when that is not enough. Blocks of 512 rather than 128: with the loop LLVM
     vectorized itself before, the float32 sums of a row in L1 went from 11 to 16 G
     elements/s on one core (each block ends in a sum across its lanes)."""
-    return block_sums(xr, k, dec, SUM_BLOCK)
+    return block_sums(xr[:d], k, dec, SUM_BLOCK)
 
 
 @inline
 def _shift(xr, d, dec):
-    return np.float32(head_sum(xr, dec) / min(d, SHIFT_SAMPLES))
+    return np.float32(head_sum(xr[:d], dec) / min(d, SHIFT_SAMPLES))
 
 
 @inline
