@@ -37,7 +37,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_codec import DECODE_IR, c_row, format_of
+from ._numba_codec import DECODE_IR, c_row, format_of, splat
 
 #: float64 lanes of moment_sums: four vectors of eight, so four additions are in flight
 #: (eight vectors were 0.87-1.0x as fast on float64 rows in cache).
@@ -74,12 +74,6 @@ def _masked_load(b, ptr, vt, mask):
     return b.call(fn, [ptr, ir.Constant(I32, align), mask, ir.Constant(vt, None)])
 
 
-def _splat(b, value, width):
-    v = b.insert_element(ir.Constant(_vec(value.type, width), ir.Undefined), value,
-                         ir.Constant(I32, 0))
-    return b.shuffle_vector(v, v, ir.Constant(_vec(I32, width), [0] * width))
-
-
 def _fold(b, vectors):
     """The vectors added pairwise as a tree, then the lanes of the last by halves."""
     while len(vectors) > 1:
@@ -99,12 +93,12 @@ class _Sums:
     """The IR of the lane sums of one row: `groups` vectors of `width` lanes of `acc`
     (F32 or F64) per sum, elements of type `elt` (F32, F64, or I16 decoded by `decode`)."""
 
-    def __init__(self, b, x_a, elt, decode, acc, width, k, groups=4):
+    def __init__(self, b, x_a, elt, decode, acc, width, k, groups):
         self.b, self.x, self.elt, self.decode, self.acc, self.width = b, x_a, elt, decode, acc, width
         self.groups = groups
         vt = _vec(acc, width)
         self.zero = ir.Constant(vt, None)
-        self.k = _splat(b, k, width)
+        self.k = splat(b, k, width)
         self.s1 = [cgutils.alloca_once_value(b, self.zero) for _ in range(self.groups)]
         self.s2 = [cgutils.alloca_once_value(b, self.zero) for _ in range(self.groups)]
         self.fma = _fma(b, vt)
@@ -143,9 +137,9 @@ class _Sums:
         """Elements start .. end - 1 (fewer than a step), each into its own lane."""
         b = self.b
         with b.if_then(b.icmp_unsigned("<", start, end)):
-            index = b.add(_splat(b, start, self.width),
+            index = b.add(splat(b, start, self.width),
                           ir.Constant(_vec(I64, self.width), list(range(self.width))))
-            limit = _splat(b, end, self.width)
+            limit = splat(b, end, self.width)
             for g in range(self.groups):
                 first = b.add(start, _i64(g * self.width))
                 mask = b.icmp_unsigned("<", b.add(index, ir.Constant(
@@ -192,7 +186,7 @@ def moment_sums(typingctx, xr, k, dec):
     def codegen(context, b, sig, args):
         x_a = context.make_array(sig.args[0])(context, b, args[0])
         n = b.extract_value(x_a.shape, 0)
-        sums = _Sums(b, x_a, elt, decode, F64, 8, args[1])
+        sums = _Sums(b, x_a, elt, decode, F64, 8, args[1], groups=LANES // 8)
         whole = b.udiv(n, _i64(sums.step))
         sums.steps(_i64(0), whole)
         sums.rest(b.mul(whole, _i64(sums.step)), n)
@@ -215,7 +209,7 @@ def block_sums(typingctx, xr, k, dec, block):
     def codegen(context, b, sig, args):
         x_a = context.make_array(sig.args[0])(context, b, args[0])
         n = b.extract_value(x_a.shape, 0)
-        sums = _Sums(b, x_a, I16, decode, F32, 16, args[1])
+        sums = _Sums(b, x_a, I16, decode, F32, 16, args[1], groups=HALF_LANES // 16)
         total = [cgutils.alloca_once_value(b, ir.Constant(F64, 0.0)) for _ in range(2)]
 
         def flush():
