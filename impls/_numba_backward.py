@@ -86,20 +86,27 @@ def _terms(xr, wr, gr, m, s, j, cv):
 
 
 @strict_inline
-def _lane_row_sums(xr, wr, gr, m, s, lanes, cv, block_steps):
+def add_row(xr, wr, gr, m, s, lanes, cv, block_steps, accumulate):
+    """The row's terms h and h x_hat into `lanes`: lane_sums over its whole steps of
+    LANES elements (written over the lanes, or added to them with accumulate=1), then the
+    rest of the row added into the first lanes."""
     d = xr.shape[0]
-    sh, shx = lanes[0], lanes[1]
     whole = d - d % LANES
-    lane_sums(xr, wr, gr, m, s, lanes, whole, block_steps, cv)
+    lane_sums(xr, wr, gr, m, s, lanes, whole, block_steps, cv, accumulate)
     for j in range(whole, d):
         h, t = _terms(xr, wr, gr, m, s, j, cv)
-        sh[j - whole] += h
-        shx[j - whole] += t
-    return _fold(sh), _fold(shx)
+        lanes[0, j - whole] += h
+        lanes[1, j - whole] += t
 
 
 @strict_inline
-def _row_sums(xr, wr, gr, m, s, lanes, cv):
+def _lane_row_sums(xr, wr, gr, m, s, lanes, cv, block_steps):
+    add_row(xr, wr, gr, m, s, lanes, cv, block_steps, 0)
+    return _fold(lanes[0]), _fold(lanes[1])
+
+
+@strict_inline
+def row_sums(xr, wr, gr, m, s, lanes, cv):
     """Sums over a row of h and h x_hat (elementwise in the precision `cv` converts to),
     in LANES float64 partial sums (`lanes`, the caller's scratch, two rows of LANES)
     added in a fixed order: _numba_lanes.lane_sums over the whole steps of LANES
@@ -119,7 +126,7 @@ def _means(xr, wr, gr, mean, rstd, centre, lanes, cv, ct):
     """mean and 1/std of a row in the compute dtype `ct`, and mean(h), mean(h x_hat)."""
     d = xr.shape[0]
     m, s = ct(mean), ct(rstd)
-    sh, shx = _row_sums(xr, wr, gr, m, s, lanes, cv)
+    sh, shx = row_sums(xr, wr, gr, m, s, lanes, cv)
     return m, s, ct(sh / d) if centre else ct(0.0), ct(shx / d)
 
 

@@ -18,7 +18,7 @@ grad_input_scale: r (max|h| + max|x_hat| mean|h x_hat| + mean|h|)), where its
 for LayerNorm, kappa >= 1; for 16-bit rows the allowance is in their own, larger ULPs).
 A float32 partial sum can overflow where the float64 sums do not (terms near float32's
 largest, as bfloat16 and float32 rows have): the caller sums such a row again with
-block_steps 1, every term straight into float64 (_numba_backward._row_sums). float64 rows
+block_steps 1, every term straight into float64 (_numba_backward.row_sums). float64 rows
 always add every term to their float64 lanes."""
 
 from llvmlite import ir
@@ -55,10 +55,12 @@ def _format(x, cv):
 
 
 @intrinsic
-def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv):
+def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv, accumulate):
     """Sums of h and h x_hat over the first `whole` elements (a multiple of LANES) of the
-    row, lane by lane, into lanes[0] and lanes[1] (float64 [2, LANES], C order, written,
-    not added to); x and g as `cv` reads them (decoded for 16-bit rows), computed in m's
+    row, lane by lane, into lanes[0] and lanes[1] (float64 [2, LANES], C order): written
+    over them, or with `accumulate` (a constant, 0 or 1) added to them, which is how
+    several short rows share one set of lanes (the BatchNorm backward); x and g as `cv`
+    reads them (decoded for 16-bit rows), computed in m's
     type as the backward's _terms computes them; float32 lanes flushed into the float64
     ones every `block_steps` steps (a constant >= 1). Rows, gamma and lanes must be
     C-contiguous, of one element type, gamma and m of the compute type: anything else
@@ -71,7 +73,9 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv):
     elt, ct, decode = fmt
     compute = types.float64 if ct is F64 else types.float32
     if not (c_row(wr, compute) and m == compute and s == compute
-            and isinstance(block_steps, types.IntegerLiteral) and block_steps.literal_value >= 1):
+            and isinstance(block_steps, types.IntegerLiteral) and block_steps.literal_value >= 1
+            and isinstance(accumulate, types.IntegerLiteral)
+            and accumulate.literal_value in (0, 1)):
         return None
     per_block = block_steps.literal_value  # a constant: a run-time count cost 18% (float16)
 
@@ -80,7 +84,13 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv):
                               for i in (0, 1, 2, 5))
         mean, rstd = splat(b, args[3], LANES), splat(b, args[4], LANES)
         zero64, zero = ir.Constant(_vec(F64), None), ir.Constant(_vec(ct), None)
-        sums64 = [cgutils.alloca_once_value(b, zero64) for _ in range(2)]
+
+        def row_of_lanes(row):
+            p = b.gep(l_a.data, [ir.Constant(I64, row * LANES)])
+            return b.bitcast(p, _vec(F64).as_pointer())
+        start = ([b.load(row_of_lanes(row), align=8) for row in range(2)]
+                 if accumulate.literal_value else [zero64, zero64])
+        sums64 = [cgutils.alloca_once_value(b, v) for v in start]
         sums = [cgutils.alloca_once_value(b, zero) for _ in range(2)]
 
         def load(arr, t, j):
@@ -116,7 +126,6 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv):
                 step(b.add(done, loop.index))
             flush()
         for row, acc64 in enumerate(sums64):
-            p = b.gep(l_a.data, [ir.Constant(I64, row * LANES)])
-            b.store(b.load(acc64), b.bitcast(p, _vec(F64).as_pointer()), align=8)
+            b.store(b.load(acc64), row_of_lanes(row), align=8)
         return context.get_dummy_value()
-    return types.none(xr, wr, gr, m, s, lanes, whole, block_steps, cv), codegen
+    return types.none(xr, wr, gr, m, s, lanes, whole, block_steps, cv, accumulate), codegen

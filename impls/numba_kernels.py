@@ -64,8 +64,9 @@ def _kernels():
 
     kernels = dict(ln_fwd=rows.ln_fwd, rms_fwd=rows.rms_fwd, half_fwd=rows.half_fwd,
                    bwd=backward.bwd, bwd_cols=backward.bwd_cols, bn_stats=bn.bn_stats,
-                   bn_apply=bn.bn_apply, bn_bwd=bn.bn_bwd, add_norm_fwd=fused.add_norm_fwd,
-                   half_add_norm_fwd=fused.half_add_norm_fwd)
+                   bn_apply=bn.bn_apply, channels_first=bn.channels_first,
+                   bn_grad_sums=bn.bn_grad_sums, bn_dx=bn.bn_dx,
+                   add_norm_fwd=fused.add_norm_fwd, half_add_norm_fwd=fused.half_add_norm_fwd)
     return {name: COMPILING.time(k) for name, k in kernels.items()}
 
 
@@ -368,23 +369,34 @@ class NumbaBatchNorm(RunningStatsLayer):
         self.b = _param(bias if affine else None, c, np.float64, 0.0)
         self.stats = RunningStats(c, track, self.ct, dtype, momentum)
         self.training = True
-        from ._numba_bn import SHORT_ROWS
+        from ._numba_bn import PIECE, SHORT_ROWS
 
         self.short_rows = SHORT_ROWS
+        self.ones = np.ones(PIECE, self.ct)
+
+    def _sum_layout(self, a3):
+        """[n, c, length] as the kernels sum it: rows shorter than SHORT_ROWS as one row
+        per channel, [1, c, n length] (a copy)."""
+        n, c, length = a3.shape
+        if length >= self.short_rows:
+            return a3
+        out = np.empty((c, n, length), a3.dtype)
+        self.k["channels_first"](a3, out)
+        return out.reshape(1, c, n * length)
 
     def forward(self, x, grad_output=None):
         n, c = x.shape[:2]
         x3 = _writable(np.ascontiguousarray(x, dtype=self.ct)).reshape(n, c, -1)
         m = n * x3.shape[2]
         batch = self.training or not self.stats.tracked
+        x_sums = None
         if batch:
             if m <= 1:
                 raise ValueError(f"Expected more than 1 value per channel when training, "
                                  f"got input of shape {x.shape}")
             mean, sumsq = np.empty(c), np.empty(c)
-            rows = x3 if x3.shape[2] >= self.short_rows else (
-                np.ascontiguousarray(x3.transpose(1, 0, 2)).reshape(1, c, m))
-            self.k["bn_stats"](rows, mean, sumsq)
+            x_sums = self._sum_layout(x3)
+            self.k["bn_stats"](x_sums, mean, sumsq)
             var = sumsq / m
             if self.training and self.stats.tracked:
                 self.stats.update(mean, sumsq, m)
@@ -396,10 +408,14 @@ class NumbaBatchNorm(RunningStatsLayer):
         if grad_output is None:
             return Result(out)
         g3 = _writable(np.ascontiguousarray(grad_output, dtype=self.ct)).reshape(x3.shape)
-        dx, dw, db = np.empty(x3.shape), np.empty(c), np.empty(c)
-        self.k["bn_bwd"](x3, self.w, g3, mean, var, float(self.eps), dx, dw, db, batch)
-        gw = dw.astype(self.dtype) if self.affine else None
-        gb = db.astype(self.dtype) if self.affine else None
+        sg, sgx = np.empty(c), np.empty(c)
+        self.k["bn_grad_sums"](x_sums if x_sums is not None else self._sum_layout(x3),
+                               self._sum_layout(g3), mean, var, float(self.eps), self.ones,
+                               sg, sgx)
+        dx = np.empty(x3.shape)
+        self.k["bn_dx"](x3, self.w, g3, mean, var, float(self.eps), sg, sgx, dx, batch)
+        gw = sgx.astype(self.dtype) if self.affine else None
+        gb = sg.astype(self.dtype) if self.affine else None
         return Result(out, dx.reshape(x.shape).astype(self.dtype), gw, gb)
 
 

@@ -2,9 +2,10 @@
 says: lane k takes elements k, k + LANES, ... in turn, float32 rows (and decoded 16-bit
 rows, with F16C and with the portable decoder) in float32 over `block_steps` steps
 before the float64 lane takes that partial sum; float64 rows straight into the float64
-lanes. Checked bit for bit against that order written out in NumPy, so a reassociation
+lanes; written over the lanes or, with accumulate=1, added to them. Checked bit for bit
+against that order written out in NumPy, so a reassociation
 (a fast-math flag, a changed loop) fails. And a row whose float32 partial sums overflow
-is summed again in float64 (_numba_backward._row_sums): dx and dgamma/dbeta stay finite
+is summed again in float64 (_numba_backward.row_sums): dx and dgamma/dbeta stay finite
 where the spec's are."""
 
 from __future__ import annotations
@@ -27,23 +28,26 @@ NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float
       "float64": np.float64}
 
 
-def _compiled(cv, block_steps):
-    """lane_sums on lanes full of garbage (they must be written, not added to), compiled
-    now: under the caller's F16C setting, not loaded from a cache (block_steps must be a
-    compile-time constant)."""
+#: What lanes hold before lane_sums: written over (accumulate=0), added to (1).
+START = 12345.0
+
+
+def _compiled(cv, block_steps, accumulate):
+    """lane_sums on lanes holding START, compiled now: under the caller's F16C setting,
+    not loaded from a cache (block_steps and accumulate must be compile-time constants)."""
     @numba.njit(cache=False)
     def run(xr, wr, gr, m, s, whole):
-        lanes = np.full((2, LANES), 12345.0)
-        lane_sums(xr, wr, gr, m, s, lanes, whole, block_steps, cv)
+        lanes = np.full((2, LANES), START)
+        lane_sums(xr, wr, gr, m, s, lanes, whole, block_steps, cv, accumulate)
         return lanes
     return run
 
 
-def _expected(x, w, g, m, s, whole, block_steps):
-    """The documented order, in NumPy scalars of the compute type."""
+def _expected(x, w, g, m, s, whole, block_steps, start):
+    """The documented order, in NumPy scalars of the compute type, from lanes of `start`."""
     ct = w.dtype.type
     step = 1 if ct is np.float64 else block_steps
-    out = np.zeros((2, LANES))
+    out = np.full((2, LANES), start)
     for k in range(LANES):
         for start in range(0, whole // LANES, step):
             a, b = ct(0), ct(0)
@@ -66,7 +70,8 @@ def test_lane_sums_add_in_the_documented_order(dtype, decoder, monkeypatch):
         from normspec.impls import _numba_codec
 
         monkeypatch.setattr(_numba_codec, "F16C", False)
-    runs = {n: _compiled(CONVERT[dtype], n) for n in (BLOCK_STEPS, 3, 1)}
+    runs = {(n, acc): _compiled(CONVERT[dtype], n, acc) for n in (BLOCK_STEPS, 3, 1)
+            for acc in (0, 1)}
     rng = np.random.default_rng(5)
     ct = np.float64 if dtype == "float64" else np.float32
     for d in (16, 48, 128, 256 + 32, 1000):
@@ -76,12 +81,13 @@ def test_lane_sums_add_in_the_documented_order(dtype, decoder, monkeypatch):
         x[3] = g[7] = 1e-6  # float16 subnormals, for the portable decoder
         w = (1 + rng.standard_normal(d) / 4).astype(ct)
         m, s = ct(x.astype(np.float64).mean()), ct(0.7)
-        for block_steps, run in runs.items():
+        for (block_steps, accumulate), run in runs.items():
             got = run(x.view(np.uint16) if half else x, w, g.view(np.uint16) if half else g,
                       m, s, whole)
             expected = _expected(x.astype(np.float32) if half else x, w,
-                                 g.astype(np.float32) if half else g, m, s, whole, block_steps)
-            assert np.array_equal(got, expected), (dtype, d, block_steps,
+                                 g.astype(np.float32) if half else g, m, s, whole, block_steps,
+                                 START if accumulate else 0.0)
+            assert np.array_equal(got, expected), (dtype, d, block_steps, accumulate,
                                                    np.abs(got - expected).max())
 
 
