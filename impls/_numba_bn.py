@@ -6,9 +6,9 @@ A channel's sums run over n x length elements, millions for a large batch, so no
 them is one long sequential sum. The channel is cut into pieces of at most PIECE
 elements (a stretch of one row or, in the backward, several whole short rows); a piece
 is summed in lanes in a fixed order (the statistics by _numba_moments.moment_sums, at
-most 17 additions in a lane; the backward's sum g and sum g x_hat by the LayerNorm
-backward's _numba_backward.add_row, at most 48: PIECE / 16 plus one leftover element
-per row), and the pieces' sums are added pairwise (`pairwise`, log2 of their number
+most 17 additions in a lane; the backward's sum g and sum g x_hat, terms in float64,
+by the LayerNorm backward's _numba_backward.add_row, at most 48: PIECE / 16 plus one
+leftover element per row), and the pieces' sums are added pairwise (`pairwise`, log2 of their number
 deep). That is the growth of a blocked sum, which the tolerance table allows
 (conformance/tolerances.py). The kernels before added rows' sums in row order, and the
 backward every element in turn: at [131072, 2, 32] float64, dL/dbeta erred by 462 ULPs
@@ -22,9 +22,9 @@ import math
 import numpy as np
 from numba import prange
 
-from ._numba_backward import _fold, _of, add_row, as_f32, to_f64
+from ._numba_backward import _fold, add_row, to_f64
 from ._numba_jit import jit, jit_strict, strict, strict_inline
-from ._numba_lanes import BLOCK_STEPS, LANES
+from ._numba_lanes import LANES
 from ._numba_moments import moment_sums
 
 #: Channels whose rows x[i, c, :] are shorter than this are laid out as one row first
@@ -117,78 +117,65 @@ def _rstd(var, eps):
 
 
 @strict_inline
-def _group_sums(x, g, ones, c, i0, i1, j0, j1, mean, rstd, lanes, cv, block_steps):
-    """(sum g, sum g x_hat) over x[i0:i1, c, j0:j1]: every row's terms added into one
-    set of lanes (add_row), then the lanes pairwise."""
-    for k in range(LANES):
-        lanes[0, k] = 0.0
-        lanes[1, k] = 0.0
-    for i in range(i0, i1):
-        add_row(x[i, c, j0:j1], ones[:j1 - j0], g[i, c, j0:j1], mean, rstd, lanes, cv,
-                block_steps, 1)
-    return _fold(lanes[0]), _fold(lanes[1])
+def _grouping(n, length):
+    """The backward's pieces of a channel of n rows of `length`: (rows per group, groups,
+    pieces per row), each piece PIECE elements of one row or as many whole rows as fit."""
+    rows = max(1, PIECE // max(length, 1))
+    return rows, (n + rows - 1) // rows, _pieces(length)
 
 
 @strict_inline
-def _piece(x, g, ones, c, i0, i1, j0, j1, mean, rstd, lanes, cv):
-    """_group_sums, summed again with every term straight into float64 where the float32
-    partial sums overflowed (as _numba_backward.row_sums does for a row)."""
-    sg, sgx = _group_sums(x, g, ones, c, i0, i1, j0, j1, mean, rstd, lanes, cv, BLOCK_STEPS)
-    if not (math.isfinite(sg) and math.isfinite(sgx)):
-        sg, sgx = _group_sums(x, g, ones, c, i0, i1, j0, j1, mean, rstd, lanes, cv, 1)
-    return sg, sgx
-
-
-@strict
-def _piece_f64(x, g, ones, c, i0, i1, j0, j1, mean, rstd, lanes):
-    return _piece(x, g, ones, c, i0, i1, j0, j1, np.float64(mean), np.float64(rstd), lanes,
-                  to_f64)
-
-
-@strict
-def _piece_f32(x, g, ones, c, i0, i1, j0, j1, mean, rstd, lanes):
-    return _piece(x, g, ones, c, i0, i1, j0, j1, np.float32(mean), np.float32(rstd), lanes,
-                  as_f32)
-
-
-#: A piece's (sum g, sum g x_hat), by the rows' dtype (BatchNorm's rows are float32 or
-#: float64: the adapter converts 16-bit ones, so there is no 16-bit function).
-_piece_of = _of((_piece_f64, _piece_f32, None, None))
+def _channel_sums(x, g, wr, c, mean, rstd, lanes, first, second):
+    """(sum h, sum h x_hat), h = g wr[0], over x[:, c, :] and g[:, c, :] in float64: each
+    piece's terms added into one set of lanes (add_row), the lanes folded pairwise, then
+    the pieces' sums (in `first`, `second`) pairwise."""
+    n, length = x.shape[0], x.shape[2]
+    rows, groups, per = _grouping(n, length)
+    for q in range(groups):
+        for p in range(per):
+            j0, j1 = p * PIECE, min(length, (p + 1) * PIECE)
+            for k in range(LANES):
+                lanes[0, k] = 0.0
+                lanes[1, k] = 0.0
+            for i in range(q * rows, min(n, (q + 1) * rows)):
+                add_row(x[i, c, j0:j1], wr[:j1 - j0], g[i, c, j0:j1], mean, rstd, lanes,
+                        to_f64, 1, 1)
+            first[q * per + p], second[q * per + p] = _fold(lanes[0]), _fold(lanes[1])
+    return pairwise(first, groups * per), pairwise(second, groups * per)
 
 
 @jit_strict
-def bn_grad_sums(x, g, mean, var, eps, ones, sg_out, sgx_out):
-    """Per channel c, dL/dbeta = sum g and dL/dgamma = sum g x_hat over x[:, c, :] and
-    g[:, c, :] (C-contiguous [n, ch, length], one dtype), x_hat from mean and var; the
-    terms in the rows' precision, as the LayerNorm backward's (gamma = 1: `ones`, PIECE
-    of the rows' dtype). A piece is PIECE elements of a row, or as many whole rows as
-    fit in PIECE elements, which then share one set of lanes (folding the lanes after
-    every row made the sums twice as slow at [256, 512, 49] float32)."""
+def bn_grad_sums(x, g, w, mean, var, eps, ones, sums):
+    """Per channel c, over x[:, c, :] and g[:, c, :] (C-contiguous [n, ch, length],
+    float32 or float64): sums[0, c] = dL/dbeta = sum g, sums[1, c] = dL/dgamma =
+    sum g x_hat, and sums[2, c], sums[3, c] = sum h, sum h x_hat (h = g gamma, which dx
+    needs), x_hat from mean and var, the terms in float64 (`ones`: PIECE float64 ones).
+    A piece is PIECE elements of a row, or as many whole rows as fit in PIECE elements,
+    which then share one set of lanes (folding the lanes after every row made the sums
+    twice as slow at [256, 512, 49] float32). sum h is gamma sum g, unless that is not
+    finite: then it is summed again, g gamma term by term (gamma sum g overflows where
+    sum g gamma need not, and 0 x inf is NaN)."""
     n, ch, length = x.shape
-    per = _pieces(length)
-    rows = max(1, PIECE // length)
-    groups = (n + rows - 1) // rows
+    _, groups, per = _grouping(n, length)
     for c in prange(ch):
-        sg, sgx = np.empty(groups * per), np.empty(groups * per)
+        first, second = np.empty(groups * per), np.empty(groups * per)
         lanes = np.empty((2, LANES))
         rstd = 1.0 / math.sqrt(var[c] + eps)
-        for q in range(groups):
-            i0, i1 = q * rows, min(n, (q + 1) * rows)
-            for p in range(per):
-                j0, j1 = p * PIECE, min(length, (p + 1) * PIECE)
-                sg[q * per + p], sgx[q * per + p] = _piece_of(
-                    0, x, g, ones, c, i0, i1, j0, j1, mean[c], rstd, lanes)
-        sg_out[c] = pairwise(sg, groups * per)
-        sgx_out[c] = pairwise(sgx, groups * per)
+        sg, sgx = _channel_sums(x, g, ones, c, mean[c], rstd, lanes, first, second)
+        sh, shx = w[c] * sg, w[c] * sgx
+        if not (math.isfinite(sh) and math.isfinite(shx)):
+            sh, shx = _channel_sums(x, g, np.full(PIECE, w[c]), c, mean[c], rstd, lanes,
+                                    first, second)
+        sums[0, c], sums[1, c], sums[2, c], sums[3, c] = sg, sgx, sh, shx
 
 
 @jit_strict
-def bn_dx(x, w, g, mean, var, eps, sg, sgx, dx, batch):
+def bn_dx(x, w, g, mean, var, eps, sums, dx, batch):
     """dL/dx from the sums bn_grad_sums made. With `batch` the statistics are the
-    batch's, functions of x: dx = r (h - mean(h) - x_hat mean(h x_hat)), h = g gamma, so
-    mean(h) = gamma sum g / m and mean(h x_hat) = gamma sum g x_hat / m. Without (eval
-    on running statistics) they are constants and dx = r h. In memory order, as
-    bn_apply (1.4-2.9x faster than channel by channel at four float32 shapes)."""
+    batch's, functions of x: dx = r (h - mean(h) - x_hat mean(h x_hat)), h = g gamma,
+    mean(h) = sums[2] / m, mean(h x_hat) = sums[3] / m. Without (eval on running
+    statistics) they are constants and dx = r h. In memory order, as bn_apply (1.4-2.9x
+    faster than channel by channel at four float32 shapes)."""
     n, ch, length = x.shape
     m = n * length
     r = _rstd(var, eps)
@@ -199,7 +186,7 @@ def bn_dx(x, w, g, mean, var, eps, sg, sgx, dx, batch):
                 for l_ in range(length):
                     dx[i, c, l_] = rc * np.float64(g[i, c, l_]) * wc
                 continue
-            mc, mh, mhx = mean[c], wc * sg[c] / m, wc * sgx[c] / m
+            mc, mh, mhx = mean[c], sums[2, c] / m, sums[3, c] / m
             for l_ in range(length):
                 xh = (np.float64(x[i, c, l_]) - mc) * rc
                 dx[i, c, l_] = rc * (np.float64(g[i, c, l_]) * wc - mh - xh * mhx)

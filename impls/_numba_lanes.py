@@ -19,7 +19,8 @@ for LayerNorm, kappa >= 1; for 16-bit rows the allowance is in their own, larger
 A float32 partial sum can overflow where the float64 sums do not (terms near float32's
 largest, as bfloat16 and float32 rows have): the caller sums such a row again with
 block_steps 1, every term straight into float64 (_numba_backward.row_sums). float64 rows
-always add every term to their float64 lanes."""
+always add every term to their float64 lanes, and so do float32 rows given a float64 mean
+and rstd (the BatchNorm backward): their terms are computed in float64."""
 
 from llvmlite import ir
 from numba import types
@@ -41,13 +42,15 @@ def _vec(t):
     return ir.VectorType(t, LANES)
 
 
-def _format(x, cv):
-    """(element type, compute type, decoder) of rows `x` converted by `cv`; None for rows
-    this does not know."""
+def _format(x, cv, m):
+    """(element type, compute type, decoder) of rows `x` converted by `cv`, with the mean
+    `m` of the compute type; None for rows this does not know. float32 rows compute in
+    float32, or in float64 with a float64 mean (the BatchNorm backward's, whose old
+    float64 kernel gave finite sums where a float32 term g x_hat overflows)."""
     if x.dtype == types.float64:
         return F64, F64, None
     if x.dtype == types.float32:
-        return F32, F32, None
+        return F32, (F64 if m == types.float64 else F32), None
     fmt = format_of(cv)
     if x.dtype == types.uint16 and fmt is not None:
         return I16, F32, DECODE_IR[fmt]
@@ -65,7 +68,7 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv, accumu
     ones every `block_steps` steps (a constant >= 1). Rows, gamma and lanes must be
     C-contiguous, of one element type, gamma and m of the compute type: anything else
     does not type."""
-    fmt = _format(xr, cv)
+    fmt = _format(xr, cv, m)
     if fmt is None or not (c_row(xr) and c_row(gr, xr.dtype) and isinstance(lanes, types.Array)
                            and lanes.ndim == 2 and lanes.layout == "C"
                            and lanes.dtype == types.float64):
@@ -96,7 +99,9 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv, accumu
         def load(arr, t, j):
             p = b.bitcast(b.gep(arr.data, [j]), _vec(t).as_pointer())
             v = b.load(p, align=1)
-            return decode(b, v) if t is I16 else v
+            if t is I16:
+                return decode(b, v)
+            return b.fpext(v, _vec(F64)) if t is F32 and ct is F64 else v
 
         def step(i):
             j = b.mul(i, ir.Constant(I64, LANES))

@@ -372,7 +372,7 @@ class NumbaBatchNorm(RunningStatsLayer):
         from ._numba_bn import PIECE, SHORT_ROWS
 
         self.short_rows = SHORT_ROWS
-        self.ones = np.ones(PIECE, self.ct)
+        self.ones = np.ones(PIECE)
 
     def _sum_layout(self, a3):
         """[n, c, length] as the kernels sum it: rows shorter than SHORT_ROWS as one row
@@ -408,14 +408,14 @@ class NumbaBatchNorm(RunningStatsLayer):
         if grad_output is None:
             return Result(out)
         g3 = _writable(np.ascontiguousarray(grad_output, dtype=self.ct)).reshape(x3.shape)
-        sg, sgx = np.empty(c), np.empty(c)
+        sums = np.empty((4, c))
         self.k["bn_grad_sums"](x_sums if x_sums is not None else self._sum_layout(x3),
-                               self._sum_layout(g3), mean, var, float(self.eps), self.ones,
-                               sg, sgx)
+                               self._sum_layout(g3), self.w, mean, var, float(self.eps),
+                               self.ones, sums)
         dx = np.empty(x3.shape)
-        self.k["bn_dx"](x3, self.w, g3, mean, var, float(self.eps), sg, sgx, dx, batch)
-        gw = sgx.astype(self.dtype) if self.affine else None
-        gb = sg.astype(self.dtype) if self.affine else None
+        self.k["bn_dx"](x3, self.w, g3, mean, var, float(self.eps), sums, dx, batch)
+        gw = sums[1].astype(self.dtype) if self.affine else None
+        gb = sums[0].astype(self.dtype) if self.affine else None
         return Result(out, dx.reshape(x.shape).astype(self.dtype), gw, gb)
 
 
