@@ -224,7 +224,8 @@ def centred_output_scale(x_hat, gamma, beta, axes) -> np.ndarray:
     """LayerNorm and BatchNorm outputs: max over the group of max(|x_hat|, 1) |gamma| + |beta|.
     max(|x_hat|, 1): the mean's rounding error reaches the output as gamma * delta_mu * r
     even where x_hat is 0 (d = 1, constant rows), so gamma itself bounds the error's scale."""
-    return np.max(np.maximum(np.abs(x_hat), 1.0) * gamma + beta, axis=axes, keepdims=True)
+    return np.max(np.maximum(np.abs(x_hat), 1.0) * np.abs(gamma) + np.abs(beta), axis=axes,
+                  keepdims=True)
 
 
 def rms_output_scale(x_r, gamma, axes) -> np.ndarray:

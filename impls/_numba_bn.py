@@ -6,16 +6,16 @@ A channel's sums run over n x length elements, millions for a large batch, so no
 them is one long sequential sum. The channel is cut into pieces of at most PIECE
 elements (a stretch of one row or, in the backward, several whole short rows); a piece
 is summed in lanes in a fixed order (the statistics by _numba_moments.moment_sums, at
-most 17 additions in a lane; the backward's sum g and sum g x_hat, terms in float64,
-by the LayerNorm backward's _numba_backward.add_row, at most 48: PIECE / 16 plus one
-leftover element per row), and the pieces' sums are added pairwise (`pairwise`, log2 of their number
-deep). That is the growth of a blocked sum, which the tolerance table allows
-(conformance/tolerances.py). The kernels before added rows' sums in row order, and the
-backward every element in turn: at [131072, 2, 32] float64, dL/dbeta erred by 462 ULPs
-against a bound of 247 and running_mean by 105 against 47 (0 and 1 now, measured). The
-order is fixed, so a run gives the same bits whether it compiled the kernels or loaded
-them from Numba's cache (see _numba_moments); the kernels that sum are compiled strict
-(no fast-math flag)."""
+most 16 additions in a lane; the backward's sums, terms in float64, by the LayerNorm
+backward's _numba_backward.add_row, at most 45: PIECE / 16 and one leftover element per
+row, at rows of 33 and 34), and the pieces' sums are added pairwise (`pairwise`, log2
+of their number deep). That is the growth of a blocked sum, which the tolerance table
+allows (conformance/tolerances.py). The kernels before added rows' sums in row order,
+and the backward every element in turn: at [131072, 2, 32] float64, dL/dbeta erred by
+462 ULPs against a bound of 247 and running_mean by 105 against 47 (0 and 1 now,
+measured). The order is fixed, so a run gives the same bits whether it compiled the
+kernels or loaded them from Numba's cache (see _numba_moments); the kernels that sum are
+compiled strict (no fast-math flag)."""
 
 import math
 
@@ -116,6 +116,10 @@ def _rstd(var, eps):
     return r
 
 
+#: Chunks of channels bn_grad_sums runs in parallel (each allocates its scratch once).
+CHUNKS = 64
+
+
 @strict_inline
 def _grouping(n, length):
     """The backward's pieces of a channel of n rows of `length`: (rows per group, groups,
@@ -125,23 +129,15 @@ def _grouping(n, length):
 
 
 @strict_inline
-def _channel_sums(x, g, wr, c, mean, rstd, lanes, first, second):
-    """(sum h, sum h x_hat), h = g wr[0], over x[:, c, :] and g[:, c, :] in float64: each
-    piece's terms added into one set of lanes (add_row), the lanes folded pairwise, then
-    the pieces' sums (in `first`, `second`) pairwise."""
-    n, length = x.shape[0], x.shape[2]
-    rows, groups, per = _grouping(n, length)
-    for q in range(groups):
-        for p in range(per):
-            j0, j1 = p * PIECE, min(length, (p + 1) * PIECE)
-            for k in range(LANES):
-                lanes[0, k] = 0.0
-                lanes[1, k] = 0.0
-            for i in range(q * rows, min(n, (q + 1) * rows)):
-                add_row(x[i, c, j0:j1], wr[:j1 - j0], g[i, c, j0:j1], mean, rstd, lanes,
-                        to_f64, 1, 1)
-            first[q * per + p], second[q * per + p] = _fold(lanes[0]), _fold(lanes[1])
-    return pairwise(first, groups * per), pairwise(second, groups * per)
+def _piece_sums(x, g, wr, c, i0, i1, j0, j1, mean, rstd, lanes):
+    """(sum h, sum h x_hat), h = g wr, over x[i0:i1, c, j0:j1] in float64: every row's
+    terms added into one set of lanes (add_row), then the lanes folded pairwise."""
+    for k in range(LANES):
+        lanes[0, k] = 0.0
+        lanes[1, k] = 0.0
+    for i in range(i0, i1):
+        add_row(x[i, c, j0:j1], wr[:j1 - j0], g[i, c, j0:j1], mean, rstd, lanes, to_f64, 1, 1)
+    return _fold(lanes[0]), _fold(lanes[1])
 
 
 @jit_strict
@@ -152,21 +148,37 @@ def bn_grad_sums(x, g, w, mean, var, eps, ones, sums):
     needs), x_hat from mean and var, the terms in float64 (`ones`: PIECE float64 ones).
     A piece is PIECE elements of a row, or as many whole rows as fit in PIECE elements,
     which then share one set of lanes (folding the lanes after every row made the sums
-    twice as slow at [256, 512, 49] float32). sum h is gamma sum g, unless that is not
-    finite: then it is summed again, g gamma term by term (gamma sum g overflows where
-    sum g gamma need not, and 0 x inf is NaN)."""
+    twice as slow at [256, 512, 49] float32). h is summed term by term, as the spec
+    does, not taken as gamma sum g (which overflows where sum g gamma need not, and the
+    other way round), except for gamma = 1, where h is g bit for bit. Channels go in
+    CHUNKS chunks, each with its own scratch (allocated per channel, it cost 3x at
+    [2, 100000])."""
     n, ch, length = x.shape
-    _, groups, per = _grouping(n, length)
-    for c in prange(ch):
-        first, second = np.empty(groups * per), np.empty(groups * per)
-        lanes = np.empty((2, LANES))
-        rstd = 1.0 / math.sqrt(var[c] + eps)
-        sg, sgx = _channel_sums(x, g, ones, c, mean[c], rstd, lanes, first, second)
-        sh, shx = w[c] * sg, w[c] * sgx
-        if not (math.isfinite(sh) and math.isfinite(shx)):
-            sh, shx = _channel_sums(x, g, np.full(PIECE, w[c]), c, mean[c], rstd, lanes,
-                                    first, second)
-        sums[0, c], sums[1, c], sums[2, c], sums[3, c] = sg, sgx, sh, shx
+    rows, groups, per = _grouping(n, length)
+    k = groups * per
+    chunks = min(ch, CHUNKS)
+    for t in prange(chunks):
+        parts, lanes, gamma = np.empty((4, k)), np.empty((2, LANES)), np.empty(PIECE)
+        for c in range(t * ch // chunks, (t + 1) * ch // chunks):
+            rstd = 1.0 / math.sqrt(var[c] + eps)
+            unit = w[c] == 1.0
+            if not unit:
+                for j in range(PIECE):
+                    gamma[j] = w[c]
+            for q in range(groups):
+                i0, i1 = q * rows, min(n, (q + 1) * rows)
+                for p in range(per):
+                    j0, j1 = p * PIECE, min(length, (p + 1) * PIECE)
+                    at = q * per + p
+                    parts[0, at], parts[1, at] = _piece_sums(x, g, ones, c, i0, i1, j0, j1,
+                                                             mean[c], rstd, lanes)
+                    if not unit:
+                        parts[2, at], parts[3, at] = _piece_sums(
+                            x, g, gamma, c, i0, i1, j0, j1, mean[c], rstd, lanes)
+            for f in range(2 if unit else 4):
+                sums[f, c] = pairwise(parts[f], k)
+            if unit:
+                sums[2, c], sums[3, c] = sums[0, c], sums[1, c]
 
 
 @jit_strict

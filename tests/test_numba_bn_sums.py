@@ -113,8 +113,10 @@ def _extreme_x_and_g(case):
     return x, g
 
 
-@pytest.mark.parametrize("case", ["g x_hat beyond float32", "x - mean beyond float32"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("case", "dtype"), [
+    ("g x_hat beyond float32", "float32"), ("g x_hat beyond float32", "bfloat16"),
+    # (bfloat16 cannot hold 3.4e38, and x - mean of its largest, 3.39e38, fits float32)
+    ("x - mean beyond float32", "float32")])
 def test_terms_beyond_float32_are_summed_in_float64(case, dtype):
     """The spec's sums of these are finite (a float32 term g x_hat or x - mean would be
     inf): the kernels compute the terms in float64, as a float32 kernel must not let an
@@ -137,13 +139,18 @@ def test_terms_beyond_float32_are_summed_in_float64(case, dtype):
             f"{e[finite & ~np.isfinite(value)][:3]} [{dtype} batch_norm, {case}]")
 
 
-@pytest.mark.parametrize("gamma", [0.0, 1e-3])
-def test_dx_stays_finite_where_sum_g_overflows_but_sum_g_gamma_does_not(gamma):
-    """float64 g of 1e308 twice: sum g is inf, sum g gamma is not (gamma 1e-3), or the
-    terms are 0 (gamma 0); mean(g gamma) must not be taken as gamma sum g."""
+@pytest.mark.parametrize(("gamma", "big"), [(0.0, (1e308, 1e308)), (1e-3, (1e308, 1e308)),
+                                           (10.0, (1e308, -1e308))])
+def test_sum_g_gamma_is_summed_term_by_term(gamma, big):
+    """float64 g with two entries of 1e308: sum g overflows where sum g gamma does not
+    (gamma 1e-3; gamma 0: every term 0), or, with opposite signs at equal x, sum g is
+    finite where the terms g gamma overflow (gamma 10: the spec's mean(h) is inf - inf,
+    NaN, and so is every dL/dx of the channel). mean(g gamma) must be the mean of the
+    terms, as the spec takes it, not gamma sum g."""
     rng = np.random.default_rng(2)
     x, g = rng.normal(size=(4, 1, 40)), rng.normal(size=(4, 1, 40))
-    g[0, 0, 0] = g[1, 0, 0] = 1e308
+    x[0, 0, 0] = x[1, 0, 0] = 0.1
+    g[0, 0, 0], g[1, 0, 0] = big
     w = np.array([gamma])
     layer = numba_kernels.make_backend().batch_norm(
         1, eps=EPS, momentum=MOMENTUM, affine=True, track_running_stats=True,
@@ -151,10 +158,11 @@ def test_dx_stays_finite_where_sum_g_overflows_but_sum_g_gamma_does_not(gamma):
     with np.errstate(over="ignore", invalid="ignore"):
         got = layer.forward(x, g)
         expected = spec.batch_norm_train_vjp(x, g, w, np.zeros(1), EPS)[0]
-    assert np.isfinite(expected).all()
-    bad = ~np.isfinite(got.grad_input)
-    assert not bad.any(), (f"got dL/dx {got.grad_input[bad][:3]}, but the spec says "
-                           f"{expected[bad][:3]} [batch_norm(1, weight=[{gamma}]), float64]")
+    for what, where in (("NaN", np.isnan), ("inf", np.isinf), ("finite", np.isfinite)):
+        assert np.array_equal(where(got.grad_input), where(expected)), (
+            f"got dL/dx {what} at {int(where(got.grad_input).sum())} of 160, but the spec "
+            f"says at {int(where(expected).sum())} [batch_norm(1, weight=[{gamma}]), g of "
+            f"{big}, float64]")
 
 
 def test_eval_gradients_of_an_empty_axis():

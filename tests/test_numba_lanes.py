@@ -63,17 +63,19 @@ def _expected(x, w, g, m, s, whole, block_steps, start):
 
 @pytest.mark.parametrize(("dtype", "decoder"), [
     *((dtype, "host") for dtype in CONVERT),
-    ("float16", "portable"), ("bfloat16", "portable")])  # (only 16-bit rows are decoded)
+    ("float16", "portable"), ("bfloat16", "portable"),  # (only 16-bit rows are decoded)
+    ("float32", "in float64")])  # float32 rows, float64 mean and gamma (BatchNorm's)
 def test_lane_sums_add_in_the_documented_order(dtype, decoder, monkeypatch):
     half = dtype in ("float16", "bfloat16")
     if decoder == "portable":
         from normspec.impls import _numba_codec
 
         monkeypatch.setattr(_numba_codec, "F16C", False)
-    runs = {(n, acc): _compiled(CONVERT[dtype], n, acc) for n in (BLOCK_STEPS, 3, 1)
-            for acc in (0, 1)}
+    wide = dtype == "float64" or decoder == "in float64"
+    runs = {(n, acc): _compiled(to_f64 if wide else CONVERT[dtype], n, acc)
+            for n in (BLOCK_STEPS, 3, 1) for acc in (0, 1)}
     rng = np.random.default_rng(5)
-    ct = np.float64 if dtype == "float64" else np.float32
+    ct = np.float64 if wide else np.float32
     for d in (16, 48, 128, 256 + 32, 1000):
         whole = d - d % LANES
         x = (rng.standard_normal(d) * 3 + 1).astype(NP[dtype])
