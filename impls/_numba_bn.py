@@ -150,9 +150,10 @@ def bn_grad_sums(x, g, w, mean, var, eps, ones, sums):
     which then share one set of lanes (folding the lanes after every row made the sums
     twice as slow at [256, 512, 49] float32). h is summed term by term, as the spec
     does, not taken as gamma sum g (which overflows where sum g gamma need not, and the
-    other way round), except for gamma = 1, where h is g bit for bit. Channels go in
-    CHUNKS chunks, each with its own scratch (allocated per channel, it cost 3x at
-    [2, 100000])."""
+    other way round), except for gamma = 1, where h is g bit for bit (the second sums
+    cost 0-15% of a float32 forward+backward at three shapes). Channels go in CHUNKS
+    chunks, each with its own scratch (allocated per channel, the forward+backward of
+    [2, 100000] took 1.2x as long)."""
     n, ch, length = x.shape
     rows, groups, per = _grouping(n, length)
     k = groups * per
