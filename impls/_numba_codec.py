@@ -19,7 +19,15 @@ from numba.extending import intrinsic
 
 from ._numba_jit import inline
 
-I32, I16, F32, F16 = ir.IntType(32), ir.IntType(16), ir.FloatType(), ir.HalfType()
+#: The LLVM types the IR kernels (_numba_codec, _numba_lanes, _numba_moments,
+#: _numba_norm_row) are written in.
+I1, I16, I32, I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
+
+
+def i64(v):
+    """An LLVM 64-bit integer constant (the IR kernels' indices and counts)."""
+    return ir.Constant(I64, v)
 
 
 def _host_has_f16c() -> bool:

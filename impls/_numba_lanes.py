@@ -27,15 +27,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_codec import DECODE_IR, c_row, format_of, splat
+from ._numba_codec import DECODE_IR, F32, F64, I16, I64, c_row, format_of, splat
 
 #: Lanes of the row sums (the backward's LANES).
 LANES = 16
 #: Steps of LANES elements that a float32 lane sums before its float64 lane takes it.
 BLOCK_STEPS = 8
 
-I16, I32, I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
-F32, F64 = ir.FloatType(), ir.DoubleType()
 
 
 def _vec(t):

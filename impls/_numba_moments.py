@@ -37,7 +37,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_codec import DECODE_IR, c_row, format_of, splat
+from ._numba_codec import DECODE_IR, F32, F64, I1, I16, I32, I64, c_row, format_of, i64, splat
 
 #: float64 lanes of moment_sums: four vectors of eight, so four additions are in flight
 #: (eight vectors were 0.87-1.0x as fast on float64 rows in cache).
@@ -46,17 +46,11 @@ LANES = 32
 HALF_LANES = 64
 #: Elements (and float64 lanes) of head_sum.
 HEAD = 16
-I1, I16, I32, I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-F32, F64 = ir.FloatType(), ir.DoubleType()
 FLAGS = ("contract",)
 
 
 def _vec(t, n):
     return ir.VectorType(t, n)
-
-
-def _i64(v):
-    return ir.Constant(I64, v)
 
 
 def _fma(b, ty):
@@ -127,9 +121,9 @@ class _Sums:
         """`count` whole steps from element `start`."""
         b = self.b
         with cgutils.for_range(b, count) as loop:
-            base = b.add(start, b.mul(loop.index, _i64(self.step)))
+            base = b.add(start, b.mul(loop.index, i64(self.step)))
             for g in range(self.groups):
-                raw = b.load(self._ptr(b.add(base, _i64(g * self.width))),
+                raw = b.load(self._ptr(b.add(base, i64(g * self.width))),
                              align={F32: 4, F64: 8, I16: 2}[self.elt])
                 self._add(g, self._value(raw))
 
@@ -141,7 +135,7 @@ class _Sums:
                           ir.Constant(_vec(I64, self.width), list(range(self.width))))
             limit = splat(b, end, self.width)
             for g in range(self.groups):
-                first = b.add(start, _i64(g * self.width))
+                first = b.add(start, i64(g * self.width))
                 mask = b.icmp_unsigned("<", b.add(index, ir.Constant(
                     _vec(I64, self.width), [g * self.width] * self.width)), limit)
                 raw = _masked_load(b, self._ptr(first), _vec(self.elt, self.width), mask)
@@ -187,9 +181,9 @@ def moment_sums(typingctx, xr, k, dec):
         x_a = context.make_array(sig.args[0])(context, b, args[0])
         n = b.extract_value(x_a.shape, 0)
         sums = _Sums(b, x_a, elt, decode, F64, 8, args[1], groups=LANES // 8)
-        whole = b.udiv(n, _i64(sums.step))
-        sums.steps(_i64(0), whole)
-        sums.rest(b.mul(whole, _i64(sums.step)), n)
+        whole = b.udiv(n, i64(sums.step))
+        sums.steps(i64(0), whole)
+        sums.rest(b.mul(whole, i64(sums.step)), n)
         return context.make_tuple(b, sig.return_type, sums.folded())
     return types.UniTuple(types.float64, 2)(xr, k, dec), codegen
 
@@ -216,16 +210,16 @@ def block_sums(typingctx, xr, k, dec, block):
             for t, s in zip(total, sums.folded(), strict=True):
                 b.store(b.fadd(b.load(t), b.fpext(s, F64), flags=FLAGS), t)
 
-        size = _i64(block.literal_value)
+        size = i64(block.literal_value)
         blocks = b.udiv(n, size)
         with cgutils.for_range(b, blocks) as loop:
-            sums.steps(b.mul(loop.index, size), _i64(per_block))
+            sums.steps(b.mul(loop.index, size), i64(per_block))
             flush()
         start = b.mul(blocks, size)
         with b.if_then(b.icmp_unsigned("<", start, n)):
-            whole = b.udiv(b.sub(n, start), _i64(sums.step))
+            whole = b.udiv(b.sub(n, start), i64(sums.step))
             sums.steps(start, whole)
-            sums.rest(b.add(start, b.mul(whole, _i64(sums.step))), n)
+            sums.rest(b.add(start, b.mul(whole, i64(sums.step))), n)
             flush()
         return context.make_tuple(b, sig.return_type, [b.load(t) for t in total])
     return types.UniTuple(types.float64, 2)(xr, k, dec, block), codegen
@@ -244,8 +238,8 @@ def head_sum(typingctx, xr, dec):
     def codegen(context, b, sig, args):
         x_a = context.make_array(sig.args[0])(context, b, args[0])
         n = b.extract_value(x_a.shape, 0)
-        end = b.select(b.icmp_unsigned("<", n, _i64(HEAD)), n, _i64(HEAD))
+        end = b.select(b.icmp_unsigned("<", n, i64(HEAD)), n, i64(HEAD))
         sums = _Sums(b, x_a, I16, decode, F64, 8, ir.Constant(F64, 0.0), groups=HEAD // 8)
-        sums.rest(_i64(0), end)
+        sums.rest(i64(0), end)
         return sums.folded()[0]
     return types.float64(xr, dec), codegen

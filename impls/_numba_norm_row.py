@@ -37,10 +37,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import _numba_codec as codec
+from ._numba_codec import F32, F64, I1, I16, I32, I64, i64
 from ._numba_stream import LINE
 
-I1, I16, I32, I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-F32, F64 = ir.FloatType(), ir.DoubleType()
 I8P = ir.IntType(8).as_pointer()
 #: Lines a pass of the main loop writes: one a pass took 1.03-1.15x the time of LLVM's
 #: own vectorized loop on float32 rows in cache, four 0.89-1.00x (one process).
@@ -164,13 +163,13 @@ def norm_row(typingctx, xr, w, b, m, s, yr, centre, stream, ahead, dec):
                                        ((6, types.boolean), (7, types.boolean), (8, types.int64)))
         n = bd.extract_value(x_a.shape, 0)
         addr = bd.ptrtoint(y_a.data, I64)
-        aligned = bd.and_(stream_v, bd.icmp_unsigned("==", bd.and_(addr, _i64(size - 1)),
-                                                     _i64(0)))
-        head = bd.lshr(bd.and_(bd.sub(_i64(0), addr), _i64(LINE - 1)),
-                       _i64(size.bit_length() - 1))
-        head = bd.select(aligned, bd.select(bd.icmp_unsigned("<", n, head), n, head), _i64(0))
-        whole = bd.udiv(bd.sub(n, head), _i64(step))
-        tail = bd.add(head, bd.mul(whole, _i64(step)))
+        aligned = bd.and_(stream_v, bd.icmp_unsigned("==", bd.and_(addr, i64(size - 1)),
+                                                     i64(0)))
+        head = bd.lshr(bd.and_(bd.sub(i64(0), addr), i64(LINE - 1)),
+                       i64(size.bit_length() - 1))
+        head = bd.select(aligned, bd.select(bd.icmp_unsigned("<", n, head), n, head), i64(0))
+        whole = bd.udiv(bd.sub(n, head), i64(step))
+        tail = bd.add(head, bd.mul(whole, i64(step)))
         fetch = bd.icmp_signed("!=", ahead_v, ir.Constant(ahead_v.type, 0))
 
         def body(j, width, ln, nontemporal, prefetch):
@@ -184,27 +183,27 @@ def norm_row(typingctx, xr, w, b, m, s, yr, centre, stream, ahead, dec):
 
         def steps(start, count, width, ln, nontemporal=False, prefetch=False):
             unroll = UNROLL if width == step else 1
-            with cgutils.for_range(bd, bd.udiv(count, _i64(unroll))) as loop:
+            with cgutils.for_range(bd, bd.udiv(count, i64(unroll))) as loop:
                 for u in range(unroll):
-                    j = bd.add(start, bd.mul(bd.add(bd.mul(loop.index, _i64(unroll)), _i64(u)),
-                                             _i64(width)))
+                    j = bd.add(start, bd.mul(bd.add(bd.mul(loop.index, i64(unroll)), i64(u)),
+                                             i64(width)))
                     body(j, width, ln, nontemporal, prefetch)
             if unroll > 1:
-                done = bd.mul(bd.udiv(count, _i64(unroll)), _i64(unroll))
+                done = bd.mul(bd.udiv(count, i64(unroll)), i64(unroll))
                 with cgutils.for_range(bd, bd.sub(count, done)) as loop:
-                    body(bd.add(start, bd.mul(bd.add(done, loop.index), _i64(width))), width, ln,
+                    body(bd.add(start, bd.mul(bd.add(done, loop.index), i64(width))), width, ln,
                          nontemporal, prefetch)
 
         def few(start, count, ln):
-            short = bd.udiv(count, _i64(SHORT))
+            short = bd.udiv(count, i64(SHORT))
             steps(start, short, SHORT, ln)
-            done = bd.mul(short, _i64(SHORT))
+            done = bd.mul(short, i64(SHORT))
             steps(bd.add(start, done), bd.sub(count, done), 1, ln)
 
         # one loop per (op, store, prefetch): a branch inside a step cost up to 13%
         for ln in (True, False):
             with bd.if_then(bd.icmp_unsigned("==", centre_v, ir.Constant(centre_v.type, ln))):
-                few(_i64(0), head, ln)
+                few(i64(0), head, ln)
                 for nt in (True, False):
                     with bd.if_then(bd.icmp_unsigned("==", aligned, ir.Constant(I1, nt))):
                         with bd.if_else(fetch) as (then, otherwise):
@@ -265,10 +264,6 @@ class _Row:
               else (None, None))
         v = [self.value(ln, x2[k], w2[k], b2[k], half) for k in (0, 1)]
         return _interleave(self.b, *_encode_bf16_hw(self.b, v))
-
-
-def _i64(v):
-    return ir.Constant(I64, v)
 
 
 def _prefetch(b, ptr):
