@@ -88,6 +88,10 @@ def channels_first(a, out):
     for t in prange(row_tiles * ((ch + TILE - 1) // TILE)):
         i0, c0 = (t % row_tiles) * TILE, (t // row_tiles) * TILE
         for c in range(c0, min(ch, c0 + TILE)):
+            if length == 1:  # ([N, C]: a loop of one element per copy took 2.7x as long)
+                for i in range(i0, min(n, i0 + TILE)):
+                    out[c, i, 0] = a[i, c, 0]
+                continue
             for i in range(i0, min(n, i0 + TILE)):
                 for l_ in range(length):
                     out[c, i, l_] = a[i, c, l_]
@@ -100,6 +104,12 @@ def bn_apply(x, mean, var, w, b, eps, y):
     at three float32 shapes; [4096, 1024]: 17.4 against 2.8 ms)."""
     n, ch, length = x.shape
     r = _rstd(var, eps)
+    if length == 1:  # [N, C]: the loop over channels is the inner one (2-D views)
+        x2, y2 = x.reshape(n, ch), y.reshape(n, ch)
+        for i in prange(n):
+            for c in range(ch):
+                y2[i, c] = (np.float64(x2[i, c]) - mean[c]) * r[c] * w[c] + b[c]
+        return
     for i in prange(n):
         for c in range(ch):
             mc, rc, wc, bc = mean[c], r[c], w[c], b[c]
@@ -164,7 +174,7 @@ def bn_grad_sums(x, g, w, mean, var, eps, ones, sums):
             rstd = 1.0 / math.sqrt(var[c] + eps)
             unit = w[c] == 1.0
             if not unit:
-                for j in range(PIECE):
+                for j in range(min(PIECE, length)):
                     gamma[j] = w[c]
             for q in range(groups):
                 i0, i1 = q * rows, min(n, (q + 1) * rows)
@@ -190,8 +200,21 @@ def bn_dx(x, w, g, mean, var, eps, sums, dx, batch):
     statistics) they are constants and dx = r h. In memory order, as bn_apply (1.4-2.9x
     faster than channel by channel at four float32 shapes)."""
     n, ch, length = x.shape
-    m = n * length
+    m = max(n * length, 1)  # (no element has a dx when it is 0)
     r = _rstd(var, eps)
+    mh, mhx = np.empty(ch), np.empty(ch)
+    for c in range(ch):
+        mh[c], mhx[c] = sums[2, c] / m, sums[3, c] / m
+    if length == 1:  # [N, C]: the loop over channels is the inner one (2-D views)
+        x2, g2, dx2 = x.reshape(n, ch), g.reshape(n, ch), dx.reshape(n, ch)
+        for i in prange(n):
+            for c in range(ch):
+                if batch:
+                    xh = (np.float64(x2[i, c]) - mean[c]) * r[c]
+                    dx2[i, c] = r[c] * (np.float64(g2[i, c]) * w[c] - mh[c] - xh * mhx[c])
+                else:
+                    dx2[i, c] = r[c] * np.float64(g2[i, c]) * w[c]
+        return
     for i in prange(n):
         for c in range(ch):
             rc, wc = r[c], w[c]
@@ -199,7 +222,7 @@ def bn_dx(x, w, g, mean, var, eps, sums, dx, batch):
                 for l_ in range(length):
                     dx[i, c, l_] = rc * np.float64(g[i, c, l_]) * wc
                 continue
-            mc, mh, mhx = mean[c], sums[2, c] / m, sums[3, c] / m
+            mc, mhc, mhxc = mean[c], mh[c], mhx[c]
             for l_ in range(length):
                 xh = (np.float64(x[i, c, l_]) - mc) * rc
-                dx[i, c, l_] = rc * (np.float64(g[i, c, l_]) * wc - mh - xh * mhx)
+                dx[i, c, l_] = rc * (np.float64(g[i, c, l_]) * wc - mhc - xh * mhxc)
