@@ -82,7 +82,7 @@ TILE = 32
 def channels_first(a, out):
     """out[c, i, :] = a[i, c, :] for [n, ch, length] a, tile by tile of TILE rows and
     channels, so that reads and writes both run along cache lines (NumPy's copy of the
-    transposed view took 30 ms for [4096, 1024] float32, 10x this)."""
+    transposed view took 30 ms for [4096, 1024] float32, 4.7x this)."""
     n, ch, length = a.shape
     row_tiles = (n + TILE - 1) // TILE
     for t in prange(row_tiles * ((ch + TILE - 1) // TILE)):
