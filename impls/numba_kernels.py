@@ -386,7 +386,8 @@ class NumbaBatchNorm(RunningStatsLayer):
 
     def forward(self, x, grad_output=None):
         n, c = x.shape[:2]
-        x3 = _writable(np.ascontiguousarray(x, dtype=self.ct)).reshape(n, c, -1)
+        length = int(np.prod(x.shape[2:]))  # (not -1: a batch of 0 has no size to infer)
+        x3 = _writable(np.ascontiguousarray(x, dtype=self.ct)).reshape(n, c, length)
         m = n * x3.shape[2]
         batch = self.training or not self.stats.tracked
         x_sums = None

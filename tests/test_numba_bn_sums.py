@@ -180,3 +180,23 @@ def test_eval_gradients_of_an_empty_axis():
     for name, e in (("grad_weight", expected[1]), ("grad_bias", expected[2])):
         assert np.array_equal(np.asarray(getattr(got, name)), e), (
             f"got {name} {getattr(got, name)}, but the spec says {e}")
+
+
+def test_an_empty_batch():
+    """[0, 5]: eval gives an empty output and empty gradients as the spec does; training
+    refuses, as the spec does (no value per channel; found by a review: a reshape error
+    in both)."""
+    layer = numba_kernels.make_backend().batch_norm(
+        5, eps=EPS, momentum=MOMENTUM, affine=True, track_running_stats=True,
+        dtype="float32")
+    x = np.zeros((0, 5), np.float32)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        layer.forward(x)
+    layer.eval()
+    got = layer.forward(x, x)
+    expected = spec.batch_norm_eval_vjp(x.astype(np.float64), x.astype(np.float64),
+                                        np.zeros(5), np.ones(5), np.ones(5), np.zeros(5), EPS)
+    assert got.output.shape == got.grad_input.shape == (0, 5)
+    for name, e in (("grad_weight", expected[1]), ("grad_bias", expected[2])):
+        assert np.array_equal(np.asarray(getattr(got, name)), e), (
+            f"got {name} {getattr(got, name)}, but the spec says {e}")
