@@ -405,7 +405,8 @@ class NumbaBatchNorm(RunningStatsLayer):
             mean, var = self.stats.mean.astype(np.float64), self.stats.var.astype(np.float64)
         y = np.empty(x3.shape)
         self.k["bn_apply"](x3, mean, var, self.w, self.b, float(self.eps), y)
-        out = y.reshape(x.shape).astype(self.dtype)
+        # (copy=False: float64 layers return the kernels' own arrays, two copies fewer)
+        out = y.reshape(x.shape).astype(self.dtype, copy=False)
         if grad_output is None:
             return Result(out)
         g3 = _writable(np.ascontiguousarray(grad_output, dtype=self.ct)).reshape(x3.shape)
@@ -415,9 +416,9 @@ class NumbaBatchNorm(RunningStatsLayer):
                                self.ones, sums)
         dx = np.empty(x3.shape)
         self.k["bn_dx"](x3, self.w, g3, mean, var, float(self.eps), sums, dx, batch)
-        gw = sums[1].astype(self.dtype) if self.affine else None
-        gb = sums[0].astype(self.dtype) if self.affine else None
-        return Result(out, dx.reshape(x.shape).astype(self.dtype), gw, gb)
+        gw = sums[1].astype(self.dtype, copy=False) if self.affine else None
+        gb = sums[0].astype(self.dtype, copy=False) if self.affine else None
+        return Result(out, dx.reshape(x.shape).astype(self.dtype, copy=False), gw, gb)
 
 
 def make_backend() -> NumbaBackend:
