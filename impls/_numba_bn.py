@@ -53,25 +53,29 @@ def _pieces(length):
     return (length + PIECE - 1) // PIECE
 
 
+@strict_inline
+def _channel_moment(x, c, k, which, sums):
+    """sum (x - k) (which 0) or sum (x - k)^2 (which 1) over x[:, c, :]: each piece's
+    moment_sums, then the pieces pairwise (`sums`: scratch for n x pieces per row)."""
+    n, length = x.shape[0], x.shape[2]
+    per = _pieces(length)
+    for i in range(n):
+        for p in range(per):
+            sums[i * per + p] = moment_sums(x[i, c, p * PIECE:min(length, (p + 1) * PIECE)],
+                                            k, None)[which]
+    return pairwise(sums, n * per)
+
+
 @jit_strict
 def bn_stats(x, mean_out, sumsq_out):
     """Per channel c, the mean and the sum of squared deviations from it of x[:, c, :]
     (C-contiguous [n, ch, length], float32 or float64), two passes over the pieces."""
     n, ch, length = x.shape
-    per = _pieces(length)
     for c in prange(ch):
-        sums = np.empty(n * per)
-        for i in range(n):
-            for p in range(per):
-                sums[i * per + p] = moment_sums(x[i, c, p * PIECE:min(length, (p + 1) * PIECE)],
-                                                0.0, None)[0]
-        mu = pairwise(sums, n * per) / (n * length)
-        for i in range(n):
-            for p in range(per):
-                sums[i * per + p] = moment_sums(x[i, c, p * PIECE:min(length, (p + 1) * PIECE)],
-                                                mu, None)[1]
+        sums = np.empty(n * _pieces(length))
+        mu = _channel_moment(x, c, 0.0, 0, sums) / (n * length)
         mean_out[c] = mu
-        sumsq_out[c] = pairwise(sums, n * per)
+        sumsq_out[c] = _channel_moment(x, c, mu, 1, sums)
 
 
 #: Rows and channels per tile of `channels_first`.
@@ -108,13 +112,29 @@ def bn_apply(x, mean, var, w, b, eps, y):
         x2, y2 = x.reshape(n, ch), y.reshape(n, ch)
         for i in prange(n):
             for c in range(ch):
-                y2[i, c] = (np.float64(x2[i, c]) - mean[c]) * r[c] * w[c] + b[c]
+                y2[i, c] = _normalized(x2[i, c], mean[c], r[c], w[c], b[c])
         return
     for i in prange(n):
         for c in range(ch):
             mc, rc, wc, bc = mean[c], r[c], w[c], b[c]
             for l_ in range(length):
-                y[i, c, l_] = (np.float64(x[i, c, l_]) - mc) * rc * wc + bc
+                y[i, c, l_] = _normalized(x[i, c, l_], mc, rc, wc, bc)
+
+
+@strict_inline
+def _normalized(xv, mean, rstd, w, b):
+    """One element of the output (inlined, so compiled with the caller's flags)."""
+    return (np.float64(xv) - mean) * rstd * w + b
+
+
+@strict_inline
+def _grad(xv, gv, mean, rstd, w, mh, mhx, batch):
+    """One element of dL/dx: r (h - mean(h) - x_hat mean(h x_hat)) with batch
+    statistics, r h with running ones (h = g gamma)."""
+    if not batch:
+        return rstd * np.float64(gv) * w
+    xh = (np.float64(xv) - mean) * rstd
+    return rstd * (np.float64(gv) * w - mh - xh * mhx)
 
 
 @strict
@@ -167,11 +187,11 @@ def bn_grad_sums(x, g, w, mean, var, eps, ones, sums):
     n, ch, length = x.shape
     rows, groups, per = _grouping(n, length)
     k = groups * per
+    r = _rstd(var, eps)
     chunks = min(ch, CHUNKS)
     for t in prange(chunks):
         parts, lanes, gamma = np.empty((4, k)), np.empty((2, LANES)), np.empty(PIECE)
         for c in range(t * ch // chunks, (t + 1) * ch // chunks):
-            rstd = 1.0 / math.sqrt(var[c] + eps)
             unit = w[c] == 1.0
             if not unit:
                 for j in range(min(PIECE, length)):
@@ -182,10 +202,10 @@ def bn_grad_sums(x, g, w, mean, var, eps, ones, sums):
                     j0, j1 = p * PIECE, min(length, (p + 1) * PIECE)
                     at = q * per + p
                     parts[0, at], parts[1, at] = _piece_sums(x, g, ones, c, i0, i1, j0, j1,
-                                                             mean[c], rstd, lanes)
+                                                             mean[c], r[c], lanes)
                     if not unit:
                         parts[2, at], parts[3, at] = _piece_sums(
-                            x, g, gamma, c, i0, i1, j0, j1, mean[c], rstd, lanes)
+                            x, g, gamma, c, i0, i1, j0, j1, mean[c], r[c], lanes)
             for f in range(2 if unit else 4):
                 sums[f, c] = pairwise(parts[f], k)
             if unit:
@@ -209,20 +229,11 @@ def bn_dx(x, w, g, mean, var, eps, sums, dx, batch):
         x2, g2, dx2 = x.reshape(n, ch), g.reshape(n, ch), dx.reshape(n, ch)
         for i in prange(n):
             for c in range(ch):
-                if batch:
-                    xh = (np.float64(x2[i, c]) - mean[c]) * r[c]
-                    dx2[i, c] = r[c] * (np.float64(g2[i, c]) * w[c] - mh[c] - xh * mhx[c])
-                else:
-                    dx2[i, c] = r[c] * np.float64(g2[i, c]) * w[c]
+                dx2[i, c] = _grad(x2[i, c], g2[i, c], mean[c], r[c], w[c], mh[c], mhx[c],
+                                  batch)
         return
     for i in prange(n):
         for c in range(ch):
-            rc, wc = r[c], w[c]
-            if not batch:
-                for l_ in range(length):
-                    dx[i, c, l_] = rc * np.float64(g[i, c, l_]) * wc
-                continue
-            mc, mhc, mhxc = mean[c], mh[c], mhx[c]
+            mc, rc, wc, mhc, mhxc = mean[c], r[c], w[c], mh[c], mhx[c]
             for l_ in range(length):
-                xh = (np.float64(x[i, c, l_]) - mc) * rc
-                dx[i, c, l_] = rc * (np.float64(g[i, c, l_]) * wc - mhc - xh * mhxc)
+                dx[i, c, l_] = _grad(x[i, c, l_], g[i, c, l_], mc, rc, wc, mhc, mhxc, batch)
