@@ -66,7 +66,8 @@ def _kernels():
                    bwd=backward.bwd, bwd_cols=backward.bwd_cols, bn_stats=bn.bn_stats,
                    bn_apply=bn.bn_apply, channels_first=bn.channels_first,
                    bn_grad_sums=bn.bn_grad_sums, bn_dx=bn.bn_dx,
-                   add_norm_fwd=fused.add_norm_fwd, half_add_norm_fwd=fused.half_add_norm_fwd)
+                   add_norm_fwd=fused.add_norm_fwd, half_add_norm_fwd=fused.half_add_norm_fwd,
+                   decode_all=rows.decode_all, encode_all=rows.encode_all)
     return {name: COMPILING.time(k) for name, k in kernels.items()}
 
 
@@ -123,11 +124,18 @@ def _param(p, d, ct, fill):
     return np.full(d, fill, ct) if p is None else _writable(np.ascontiguousarray(p, dtype=ct)).reshape(d)
 
 
-def _half_params(w, b, dtype):
-    """gamma and beta (float32) for the half forward: as 16-bit patterns of `dtype` when
-    both are exactly representable there (always so for parameters given in x's dtype):
-    half the bytes, so they stay in L1 beside the row (see _numba_rows._half_fwd_rows);
-    else the float32 vectors, which the kernel reads as they are."""
+def _half_params(weight, bias, d, dtype):
+    """gamma and beta for the half forward (None: ones, zeros): as 16-bit patterns of
+    `dtype` when both are exactly representable there: half the bytes, so they stay in
+    L1 beside the row (see _numba_rows._half_fwd_rows); else as float32 vectors, which
+    the kernel reads as they are. Parameters given in `dtype` are passed as their own
+    bits, never converted: NumPy converts float16 at about 1 ns an element, and the
+    round trip through float32 and back took 10 of the 12 ms of a [2, 2^20] float16
+    forward."""
+    if all(p is None or np.asarray(p).dtype == dtype for p in (weight, bias)):
+        return tuple(np.full(d, fill, dtype).view(np.uint16) if p is None
+                     else _bits(p, d).reshape(d) for p, fill in ((weight, 1.0), (bias, 0.0)))
+    w, b = _param(weight, d, np.float32, 1.0), _param(bias, d, np.float32, 0.0)
     wh, bh = w.astype(dtype), b.astype(dtype)
     if (np.array_equal(wh.astype(np.float32), w, equal_nan=True)
             and np.array_equal(bh.astype(np.float32), b, equal_nan=True)):
@@ -251,20 +259,21 @@ class NumbaBackend(Backend):
 
     def _norm(self, op, x, normalized_shape, weight, bias, eps, grad_output):
         ct, d = compute_dtype(x.dtype), int(np.prod(normalized_shape))
-        w, b = _param(weight, d, ct, 1.0), _param(bias, d, ct, 0.0)
         if x.dtype in HALF:
             # the kernels read and write the 16-bit values themselves: no float32 copies
             fmt = _FMT[x.dtype]
             x16 = _bits(x, d)
-            y16, mean, rstd = self._half_forward(op, x16, fmt, _half_params(w, b, x.dtype),
-                                                 eps)
+            y16, mean, rstd = self._half_forward(
+                op, x16, fmt, _half_params(weight, bias, d, x.dtype), eps)
             out = y16.view(x.dtype).reshape(x.shape)
             if grad_output is None:
                 return Result(out)
-            dx16, dw, db = self._backward(op, x16, w, _bits(grad_output, d), mean, rstd,
-                                          fmt)
+            dx16, dw, db = self._backward(op, x16, self._half_param32(weight, d, x.dtype),
+                                          _bits(grad_output, d), mean, rstd, fmt)
             dx = dx16.view(x.dtype)
+            dw, db = self._to_half(dw, x.dtype), self._to_half(db, x.dtype)
         else:
+            w, b = _param(weight, d, ct, 1.0), _param(bias, d, ct, 0.0)
             xr = _rows(x, d, ct)
             y, mean, rstd = self._forward(op, xr, w, b, eps)
             out = y.reshape(x.shape).astype(x.dtype, copy=False)
@@ -275,6 +284,25 @@ class NumbaBackend(Backend):
         gw = dw.reshape(shape).astype(x.dtype) if weight is not None else None
         gb = db.reshape(shape).astype(x.dtype) if bias is not None else None
         return Result(out, dx.reshape(x.shape).astype(x.dtype, copy=False), gw, gb)
+
+    def _half_param32(self, p, d, dtype):
+        """gamma for a 16-bit backward, as float32: given in `dtype`, decoded by the
+        kernels (exact, and faster than NumPy's float16 cast)."""
+        if p is None or np.asarray(p).dtype != dtype:
+            return _param(p, d, np.float32, 1.0)
+        out = np.empty(d, np.float32)
+        self.k["decode_all"](_bits(p, d).reshape(d), _FMT[dtype], out)
+        return out
+
+    def _to_half(self, a, dtype):
+        """float32 sums `a` rounded to 16-bit `dtype` by the kernels' codec (NumPy's
+        bits; see _numba_rows.encode_all); float64 sums are left to the caller's cast,
+        which rounds them once, as the spec does."""
+        if a.dtype != np.float32:
+            return a
+        out = np.empty(a.shape, np.uint16)
+        self.k["encode_all"](np.ascontiguousarray(a).reshape(-1), _FMT[dtype], out.reshape(-1))
+        return out.view(dtype)
 
     def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
         return self._norm("layer_norm", x, normalized_shape, weight, bias, eps, grad_output)
@@ -330,7 +358,7 @@ class NumbaBackend(Backend):
         fwd_out = (np.empty_like(xr), np.zeros(rows), np.empty(rows))
         fmt = _FMT.get(x.dtype)
         if half:
-            params = _half_params(w, b, x.dtype)
+            params = _half_params(weight, bias, d, x.dtype)
 
             def forward():
                 return self._half_forward(op, xr, fmt, params, eps, fwd_out)

@@ -16,12 +16,18 @@ numba = pytest.importorskip("numba")
 FORMATS = [(0, np.float16), (1, ml_dtypes.bfloat16)]
 
 
-@pytest.fixture(scope="module", params=["host", "portable"])
+@pytest.fixture(scope="module", params=["host", "portable", "kernels"])
 def codec(request):
     """The conversions as compiled here (F16C where the CPU has it) and the portable
     integer ones, which every CPU without F16C uses (chosen when the code is generated,
-    so the functions below compile each way)."""
+    so the functions below compile each way); and the backend's own whole-array kernels
+    (_numba_rows.decode_all / encode_all, the parameters and dgamma/dbeta of a 16-bit
+    call), as compiled here."""
     from normspec.impls import _numba_codec as c
+    from normspec.impls import _numba_rows as rows
+
+    if request.param == "kernels":
+        return rows.decode_all, rows.encode_all
 
     mp = pytest.MonkeyPatch()
     if request.param == "portable":

@@ -43,7 +43,7 @@ def test_statistics_within_their_bound(fmt, dt, op):
     backend = numba_kernels.make_backend()
     for x, fallback in _rows(dt, np.random.default_rng(5)):
         d = x.shape[1]
-        params = numba_kernels._half_params(np.ones(d, np.float32), np.zeros(d, np.float32), dt)
+        params = numba_kernels._half_params(np.ones(d, np.float32), np.zeros(d, np.float32), d, dt)
         _, mean, rstd = backend._half_forward(op, x.view(np.uint16), fmt, params, 1e-5)
         x64 = x.astype(np.float64)
         mu = x64.mean(1) if op == "layer_norm" else np.zeros(len(x))
