@@ -13,6 +13,8 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
+from portable_codec import portable  # noqa: E402
+
 FORMATS = [(0, np.float16), (1, ml_dtypes.bfloat16)]
 
 
@@ -20,19 +22,14 @@ FORMATS = [(0, np.float16), (1, ml_dtypes.bfloat16)]
 def codec(request):
     """The conversions as compiled here (F16C where the CPU has it) and the portable
     integer ones, which every CPU without F16C uses (chosen when the code is generated,
-    so the functions below compile each way); and the backend's own whole-array kernels
-    (_numba_rows.decode_all / encode_all, the parameters and dgamma/dbeta of a 16-bit
-    call), as compiled here."""
+    so the functions below compile each way: each is called under its choice); and the
+    backend's own whole-array kernels (_numba_rows.decode_all / encode_all, the
+    parameters and dgamma/dbeta of a 16-bit call), as compiled here."""
     from normspec.impls import _numba_codec as c
     from normspec.impls import _numba_rows as rows
 
     if request.param == "kernels":
         return rows.decode_all, rows.encode_all
-
-    mp = pytest.MonkeyPatch()
-    if request.param == "portable":
-        mp.setattr(c, "F16C", False)
-    request.addfinalizer(mp.undo)
 
     @numba.njit
     def decode(a, fmt, out):
@@ -43,9 +40,12 @@ def codec(request):
     def encode(a, fmt, out):
         for j in range(a.shape[0]):
             out[j] = c.encode_f16(a[j]) if fmt == 0 else c.encode_bf16(a[j])
-    decode(np.zeros(1, np.uint16), 0, np.zeros(1, np.float32))  # compiled with the patch
-    encode(np.zeros(1, np.float32), 0, np.zeros(1, np.uint16))
-    return decode, encode
+    def under_choice(fn):  # every call runs under the choice (see portable_codec)
+        def call(*args):
+            with portable(request.param == "portable"):
+                return fn(*args)
+        return call
+    return under_choice(decode), under_choice(encode)
 
 
 @pytest.mark.parametrize(("fmt", "dt"), FORMATS, ids=["float16", "bfloat16"])

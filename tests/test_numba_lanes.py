@@ -21,6 +21,7 @@ from normspec.impls import numba_kernels, numpy_ref  # noqa: E402
 from normspec.impls._numba_backward import as_f32, to_f64  # noqa: E402
 from normspec.impls._numba_lanes import BLOCK_STEPS, LANES, lane_sums  # noqa: E402
 from normspec.impls._numba_rows import decode_bf16, decode_f16  # noqa: E402
+from portable_codec import decoders, portable  # noqa: E402
 
 CONVERT = {"float64": to_f64, "float32": as_f32, "float16": decode_f16,
            "bfloat16": decode_bf16}
@@ -65,15 +66,16 @@ def _expected(x, w, g, m, s, whole, block_steps, start):
     *((dtype, "host") for dtype in CONVERT),
     ("float16", "portable"), ("bfloat16", "portable"),  # (only 16-bit rows are decoded)
     ("float32", "in float64")])  # float32 rows, float64 mean and gamma (BatchNorm's)
-def test_lane_sums_add_in_the_documented_order(dtype, decoder, monkeypatch):
+def test_lane_sums_add_in_the_documented_order(dtype, decoder):
     half = dtype in ("float16", "bfloat16")
-    if decoder == "portable":
-        from normspec.impls import _numba_codec
-
-        monkeypatch.setattr(_numba_codec, "F16C", False)
     wide = dtype == "float64" or decoder == "in float64"
-    runs = {(n, acc): _compiled(to_f64 if wide else CONVERT[dtype], n, acc)
-            for n in (BLOCK_STEPS, 3, 1) for acc in (0, 1)}
+    if wide:
+        cv = to_f64
+    elif decoder == "portable":  # uncached decoders, compiled under the patch (portable_codec)
+        cv = dict(zip(("float16", "bfloat16"), decoders(), strict=True))[dtype]
+    else:
+        cv = CONVERT[dtype]
+    runs = {(n, acc): _compiled(cv, n, acc) for n in (BLOCK_STEPS, 3, 1) for acc in (0, 1)}
     rng = np.random.default_rng(5)
     ct = np.float64 if wide else np.float32
     for d in (16, 48, 128, 256 + 32, 1000):
@@ -84,8 +86,9 @@ def test_lane_sums_add_in_the_documented_order(dtype, decoder, monkeypatch):
         w = (1 + rng.standard_normal(d) / 4).astype(ct)
         m, s = ct(x.astype(np.float64).mean()), ct(0.7)
         for (block_steps, accumulate), run in runs.items():
-            got = run(x.view(np.uint16) if half else x, w, g.view(np.uint16) if half else g,
-                      m, s, whole)
+            with portable(decoder == "portable"):
+                got = run(x.view(np.uint16) if half else x, w,
+                          g.view(np.uint16) if half else g, m, s, whole)
             expected = _expected(x.astype(np.float32) if half else x, w,
                                  g.astype(np.float32) if half else g, m, s, whole, block_steps,
                                  START if accumulate else 0.0)

@@ -15,6 +15,8 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
+from portable_codec import decoders, portable  # noqa: E402
+
 FORMATS = [(0, np.float16), (1, ml_dtypes.bfloat16)]
 IDS = ["float16", "bfloat16"]
 #: A mean and 1/std with full float32 significands: a product by them rounds (by 0.75,
@@ -27,26 +29,21 @@ LINE_ELEMENTS = {2: 32, 4: 16, 8: 8}
 @pytest.fixture(scope="module", params=["host", "portable"])
 def normalize(request):
     """norm_row in a loop over rows, compiled as the host compiles it and with the
-    integer codecs (chosen when the IR is generated, so the function compiles each way;
-    the test that compiles first decides which, so every one reads the flags then)."""
-    from normspec.impls import _numba_codec as codec
+    integer codecs (chosen when the IR is generated, so the function compiles each way:
+    every call runs under the choice, so whichever compiles it reads the flags then;
+    see portable_codec for why nothing else does)."""
     from normspec.impls import _numba_norm_row as hn
-    from normspec.impls import _numba_rows as rows
     from normspec.impls._numba_jit import FASTMATH
 
-    mp = pytest.MonkeyPatch()
-    if request.param == "portable":
-        mp.setattr(codec, "F16C", False)
-        mp.setattr(hn, "BF16_HW", False)
-    request.addfinalizer(mp.undo)
+    dec16, dec_bf16 = decoders()
 
     @numba.njit(fastmath=FASTMATH)  # as the kernel that calls it is compiled
     def run(x, w, b, m, s, y, centre, stream, ahead, fmt):
         for r in range(x.shape[0]):
             if fmt == 0:
-                hn.norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, rows.decode_f16)
+                hn.norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, dec16)
             else:
-                hn.norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, rows.decode_bf16)
+                hn.norm_row(x[r], w, b, m, s, y[r], centre, stream, ahead, dec_bf16)
 
     @numba.njit(fastmath=FASTMATH)
     def run_float(x, w, b, m, s, y, centre, stream, ahead):
@@ -55,15 +52,12 @@ def normalize(request):
 
     def call(x, w, b, m, s, y, centre, stream=False, ahead=0, fmt=0):
         """fmt 0 / 1: x, y float16 / bfloat16 bits; x float32/float64: fmt is not read."""
-        if x.dtype == np.uint16:
-            run(x, w, b, np.float32(m), np.float32(s), y, centre, stream, ahead, fmt)
-        else:
-            t = x.dtype.type
-            run_float(x, w, b, t(m), t(s), y, centre, stream, ahead)
-    for fmt in (0, 1):  # compiled now, with the patch in place
-        for p in (np.zeros(1, np.uint16), np.zeros(1, np.float32)):
-            call(np.zeros((1, 1), np.uint16), p, p, 0, 1, np.zeros((1, 1), np.uint16), True,
-                 fmt=fmt)
+        with portable(request.param == "portable"):
+            if x.dtype == np.uint16:
+                run(x, w, b, np.float32(m), np.float32(s), y, centre, stream, ahead, fmt)
+            else:
+                t = x.dtype.type
+                run_float(x, w, b, t(m), t(s), y, centre, stream, ahead)
     return call
 
 
