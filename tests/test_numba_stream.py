@@ -28,6 +28,10 @@ def _rows(dtype, d, rows=5):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_streamed_row_has_the_bits_of_an_unstreamed_one(dtype):
+    """Streamed rows also prefetch the next one where their width is in
+    _numba_rows.PREFETCH_ROW_BYTES (d = 1000 here; 4097 float32 is beyond it)."""
+    low, high = _numba_rows.PREFETCH_ROW_BYTES
+    assert low <= 1000 * np.dtype(dtype).itemsize <= high
     for d in [*range(1, 40), 64, 100, 1000, 4097]:
         x, w, b = _rows(dtype, d)
         outs = {}
