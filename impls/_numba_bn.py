@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import prange
 
-from ._numba_backward import _fold, add_row, to_f64
+from ._numba_backward import _fold, _terms, add_row, to_f64
 from ._numba_jit import jit, jit_strict, strict, strict_inline
 from ._numba_lanes import LANES
 from ._numba_moments import moment_sums
@@ -32,6 +32,14 @@ from ._numba_moments import moment_sums
 SHORT_ROWS = 32
 #: Elements per piece of a row (see the module doc).
 PIECE = 512
+#: Channels of at most this many values (n x length) sum their terms pairwise, with no
+#: lanes: zeroing and folding the lanes cost more than the few terms ([N, C] with a
+#: small batch, such as [2, 100000]). As many as the lanes, whose scratch holds the
+#: backward's terms then.
+SHORT_CHANNEL = LANES
+#: Chunks of channels the kernels that sum run in parallel (each allocates its scratch
+#: once: allocated per channel, the forward+backward of [2, 100000] took 1.2x as long).
+CHUNKS = 64
 
 
 @strict_inline
@@ -56,8 +64,15 @@ def _pieces(length):
 @strict_inline
 def _channel_moment(x, c, k, which, sums):
     """sum (x - k) (which 0) or sum (x - k)^2 (which 1) over x[:, c, :]: each piece's
-    moment_sums, then the pieces pairwise (`sums`: scratch for n x pieces per row)."""
+    moment_sums, then the pieces pairwise; a short channel's terms pairwise (`sums`:
+    scratch for max(n x pieces per row, SHORT_CHANNEL))."""
     n, length = x.shape[0], x.shape[2]
+    if n * length <= SHORT_CHANNEL:
+        for i in range(n):
+            for l_ in range(length):
+                d = np.float64(x[i, c, l_]) - k
+                sums[i * length + l_] = d if which == 0 else d * d
+        return pairwise(sums, n * length)
     per = _pieces(length)
     for i in range(n):
         for p in range(per):
@@ -71,11 +86,13 @@ def bn_stats(x, mean_out, sumsq_out):
     """Per channel c, the mean and the sum of squared deviations from it of x[:, c, :]
     (C-contiguous [n, ch, length], float32 or float64), two passes over the pieces."""
     n, ch, length = x.shape
-    for c in prange(ch):
-        sums = np.empty(n * _pieces(length))
-        mu = _channel_moment(x, c, 0.0, 0, sums) / (n * length)
-        mean_out[c] = mu
-        sumsq_out[c] = _channel_moment(x, c, mu, 1, sums)
+    chunks = min(ch, CHUNKS)
+    for t in prange(chunks):
+        sums = np.empty(max(n * _pieces(length), SHORT_CHANNEL))
+        for c in range(t * ch // chunks, (t + 1) * ch // chunks):
+            mu = _channel_moment(x, c, 0.0, 0, sums) / (n * length)
+            mean_out[c] = mu
+            sumsq_out[c] = _channel_moment(x, c, mu, 1, sums)
 
 
 #: Rows and channels per tile of `channels_first`.
@@ -146,10 +163,6 @@ def _rstd(var, eps):
     return r
 
 
-#: Chunks of channels bn_grad_sums runs in parallel (each allocates its scratch once).
-CHUNKS = 64
-
-
 @strict_inline
 def _grouping(n, length):
     """The backward's pieces of a channel of n rows of `length`: (rows per group, groups,
@@ -170,6 +183,18 @@ def _piece_sums(x, g, wr, c, i0, i1, j0, j1, mean, rstd, lanes):
     return _fold(lanes[0]), _fold(lanes[1])
 
 
+@strict_inline
+def _short_sums(x, g, wr, c, mean, rstd, terms):
+    """(sum h, sum h x_hat), h = g wr[0], over a channel of at most SHORT_CHANNEL values:
+    the terms (add_row's, _terms) pairwise, with no lanes (`terms`: scratch, 2 rows)."""
+    n, length = x.shape[0], x.shape[2]
+    for i in range(n):
+        for l_ in range(length):
+            terms[0, i * length + l_], terms[1, i * length + l_] = _terms(
+                x[i, c], wr, g[i, c], mean, rstd, l_, to_f64)
+    return pairwise(terms[0], n * length), pairwise(terms[1], n * length)
+
+
 @jit_strict
 def bn_grad_sums(x, g, w, mean, var, eps, ones, sums):
     """Per channel c, over x[:, c, :] and g[:, c, :] (C-contiguous [n, ch, length],
@@ -181,9 +206,9 @@ def bn_grad_sums(x, g, w, mean, var, eps, ones, sums):
     twice as slow at [256, 512, 49] float32). h is summed term by term, as the spec
     does, not taken as gamma sum g (which overflows where sum g gamma need not, and the
     other way round), except for gamma = 1, where h is g bit for bit (the second sums
-    cost 0-15% of a float32 forward+backward at three shapes). Channels go in CHUNKS
-    chunks, each with its own scratch (allocated per channel, the forward+backward of
-    [2, 100000] took 1.2x as long)."""
+    cost 0-15% of a float32 forward+backward at three shapes). Channels of at most
+    SHORT_CHANNEL values sum their terms pairwise (_short_sums). Channels go in CHUNKS
+    chunks, each with its own scratch."""
     n, ch, length = x.shape
     rows, groups, per = _grouping(n, length)
     k = groups * per
@@ -196,6 +221,12 @@ def bn_grad_sums(x, g, w, mean, var, eps, ones, sums):
             if not unit:
                 for j in range(min(PIECE, length)):
                     gamma[j] = w[c]
+            if n * length <= SHORT_CHANNEL:
+                sums[0, c], sums[1, c] = _short_sums(x, g, ones, c, mean[c], r[c], lanes)
+                sums[2, c], sums[3, c] = (
+                    (sums[0, c], sums[1, c]) if unit
+                    else _short_sums(x, g, gamma, c, mean[c], r[c], lanes))
+                continue
             for q in range(groups):
                 i0, i1 = q * rows, min(n, (q + 1) * rows)
                 for p in range(per):

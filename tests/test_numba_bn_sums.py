@@ -22,7 +22,7 @@ from normspec.conformance.tolerances import (  # noqa: E402
     running_stat_scales,
 )
 from normspec.impls import numba_kernels  # noqa: E402
-from normspec.impls._numba_bn import PIECE, pairwise  # noqa: E402
+from normspec.impls._numba_bn import PIECE, SHORT_CHANNEL, pairwise  # noqa: E402
 
 EPS, MOMENTUM = 1e-5, 0.1
 
@@ -96,6 +96,37 @@ def test_long_channels_stay_within_the_bounds(shape):
             if not err <= bd}
     assert not over, f"numba BatchNorm {list(shape)} float64: got {over}, but the spec says " \
                      f"within the tolerance table's bounds"
+
+
+@pytest.mark.parametrize("shape", [(1, 3, SHORT_CHANNEL), (2, 5, 1), (3, 4, 5), (5, 2, 3)])
+def test_short_channels_sum_their_terms_pairwise(shape):
+    """A channel of at most SHORT_CHANNEL values (the kernels' layout [n, C, length])
+    sums its terms in the documented order, the lanes skipped: mean = pairwise(x) / m,
+    the sum of squared deviations pairwise((x - mean)^2), and the backward's four sums
+    pairwise over their terms, each term computed as the lanes compute it."""
+    kernels = numba_kernels.make_backend().k
+    n, c, length = shape
+    m = n * length
+    assert m <= SHORT_CHANNEL
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 7, shape)
+    g = rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 7, shape)
+    w = np.array([1.0, 0.75, -2.5, 3.0, 0.1][:c])
+    mean, sumsq, sums = np.empty(c), np.empty(c), np.empty((4, c))
+    kernels["bn_stats"](x, mean, sumsq)
+    var = sumsq / m
+    kernels["bn_grad_sums"](x, g, w, mean, var, EPS, np.ones(PIECE), sums)
+    for ch in range(c):
+        xc, gc = x[:, ch, :].ravel(), g[:, ch, :].ravel()
+        mu = _pairwise_reference(xc) / m
+        x_hat = (xc - mean[ch]) * (1.0 / np.sqrt(var[ch] + EPS))
+        h = gc * w[ch]
+        expected = {"mean": mu, "sum of squares": _pairwise_reference((xc - mu) ** 2),
+                    "sum g": _pairwise_reference(gc), "sum g x_hat": _pairwise_reference(gc * x_hat),
+                    "sum h": _pairwise_reference(h), "sum h x_hat": _pairwise_reference(h * x_hat)}
+        got = dict(zip(expected, (mean[ch], sumsq[ch], *sums[:, ch]), strict=True))
+        differ = {k: (got[k], v) for k, v in expected.items() if got[k] != v}
+        assert not differ, f"{list(shape)} channel {ch}: (got, documented order) {differ}"
 
 
 def _extreme_x_and_g(case):
