@@ -159,7 +159,8 @@ def encode_bf16(v):
 @jit
 def decode_all(h, fmt, out):
     """out[:] = the float32 values of 16-bit patterns `h` of format `fmt` (0 float16, 1
-    bfloat16), exact: the parameters a 16-bit backward reads as float32 (NumPy converts
+    bfloat16), exact (a NaN stays a NaN of its sign, its payload as the codec makes it,
+    see _numba_codec): the parameters a 16-bit backward reads as float32 (NumPy converts
     float16 at about 1 ns an element, 1.3 ms of a [2, 2^20] forward+backward)."""
     if fmt == 0:
         for i in prange(h.shape[0]):
@@ -172,8 +173,9 @@ def decode_all(h, fmt, out):
 @jit
 def encode_all(v, fmt, out):
     """out[:] = float32 `v` rounded to format `fmt` as 16-bit patterns, to nearest even,
-    the bits of NumPy's and ml_dtypes' casts (tests/test_numba_codec.py): a 16-bit
-    backward's float32 dgamma/dbeta (NumPy's float16 cast took 1.5 ms each at 2^20)."""
+    the bits of NumPy's and ml_dtypes' casts but a NaN's payload (it stays a NaN of its
+    sign; tests/test_numba_codec.py): a 16-bit backward's float32 dgamma/dbeta (NumPy's
+    float16 cast took 1.5 ms each at 2^20)."""
     if fmt == 0:
         for i in prange(v.shape[0]):
             out[i] = encode_f16(v[i])

@@ -296,8 +296,8 @@ class NumbaBackend(Backend):
 
     def _to_half(self, a, dtype):
         """float32 sums `a` rounded to 16-bit `dtype` by the kernels' codec (NumPy's
-        bits; see _numba_rows.encode_all); float64 sums are left to the caller's cast,
-        which rounds them once, as the spec does."""
+        bits but a NaN's payload; see _numba_rows.encode_all); float64 sums are left to
+        the caller's cast, which rounds them once, as the spec does."""
         if a.dtype != np.float32:
             return a
         out = np.empty(a.shape, np.uint16)

@@ -98,8 +98,9 @@ def test_long_channels_stay_within_the_bounds(shape):
                      f"within the tolerance table's bounds"
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape", [(1, 3, SHORT_CHANNEL), (2, 5, 1), (3, 4, 5), (5, 2, 3)])
-def test_short_channels_sum_their_terms_pairwise(shape):
+def test_short_channels_sum_their_terms_pairwise(shape, dtype):
     """A channel of at most SHORT_CHANNEL values (the kernels' layout [n, C, length])
     sums its terms in the documented order, the lanes skipped: mean = pairwise(x) / m,
     the sum of squared deviations pairwise((x - mean)^2), and the backward's four sums
@@ -109,15 +110,15 @@ def test_short_channels_sum_their_terms_pairwise(shape):
     m = n * length
     assert m <= SHORT_CHANNEL
     rng = np.random.default_rng(m)
-    x = rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 7, shape)
-    g = rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 7, shape)
+    x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 7, shape)).astype(dtype)
+    g = (rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 7, shape)).astype(dtype)
     w = np.array([1.0, 0.75, -2.5, 3.0, 0.1][:c])
     mean, sumsq, sums = np.empty(c), np.empty(c), np.empty((4, c))
     kernels["bn_stats"](x, mean, sumsq)
     var = sumsq / m
     kernels["bn_grad_sums"](x, g, w, mean, var, EPS, np.ones(PIECE), sums)
     for ch in range(c):
-        xc, gc = x[:, ch, :].ravel(), g[:, ch, :].ravel()
+        xc, gc = (a[:, ch, :].ravel().astype(np.float64) for a in (x, g))  # terms in float64
         mu = _pairwise_reference(xc) / m
         x_hat = (xc - mean[ch]) * (1.0 / np.sqrt(var[ch] + EPS))
         h = gc * w[ch]
