@@ -200,10 +200,9 @@ def encode_bf16(typingctx, v):
 
 
 @inline
-def decode_row(src, dst_bits, dst, fmt):
+def decode_row(src, dst, fmt):
     """A row of 16-bit patterns (fmt 0: float16, 1: bfloat16) into float32 `dst`; the
-    loop per format, so each vectorizes. (`dst_bits`, a uint32 view of `dst`, is not
-    needed any more; kept for the callers that pass it.)"""
+    loop per format, so each vectorizes."""
     if fmt == 0:
         for j in range(src.shape[0]):
             dst[j] = decode_f16(src[j])
@@ -213,9 +212,8 @@ def decode_row(src, dst_bits, dst, fmt):
 
 
 @inline
-def encode_row(src, src_bits, dst, fmt):
-    """A float32 row into 16-bit patterns, rounded to nearest even (`src_bits` as in
-    decode_row)."""
+def encode_row(src, dst, fmt):
+    """A float32 row into 16-bit patterns, rounded to nearest even."""
     if fmt == 0:
         for j in range(src.shape[0]):
             dst[j] = encode_f16(src[j])

@@ -47,18 +47,15 @@ def half_add_norm_fwd(x16, r16, w, b, eps, y16, s16, n_chunks, fmt, centre):
     rows, d = x16.shape
     per = (rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
-        x_bits = np.empty(d, np.uint32)
-        xf = x_bits.view(np.float32)
-        r_bits = np.empty(d, np.uint32)
-        rf = r_bits.view(np.float32)
+        xf, rf = np.empty(d, np.float32), np.empty(d, np.float32)
         for r in range(c * per, min(rows, (c + 1) * per)):
-            decode_row(x16[r], x_bits, xf, fmt)
-            decode_row(r16[r], r_bits, rf, fmt)
+            decode_row(x16[r], xf, fmt)
+            decode_row(r16[r], rf, fmt)
             for j in range(d):
                 xf[j] = xf[j] + rf[j]  # xf holds the sum from here on
-            encode_row(xf, x_bits, s16[r], fmt)
+            encode_row(xf, s16[r], fmt)
             mu, rstd = _stats(xf, d, eps, centre)
             m32, s32 = np.float32(mu), np.float32(rstd)
             for j in range(d):
                 rf[j] = (xf[j] - m32) * s32 * w[j] + b[j]
-            encode_row(rf, r_bits, y16[r], fmt)
+            encode_row(rf, y16[r], fmt)
