@@ -74,7 +74,7 @@ def _rms_row(xr, w, rstd, yr, stream, ahead):
 #: float64 up to [8192, 4096] float32) 1.06-1.78x faster. Slower: 1 KB rows ([131072,
 #: 256] float32) 0.84-0.90x, which the hardware prefetcher streams by itself, and
 #: 64-128 KB rows 0.62-0.94x, whose next row's lines evict the current row's from L1
-#: (32 KB) before it is normalized; 32 KB rows 0.76-1.26x (noisy). (The 16-bit forward
+#: (48 KB here) before it is normalized; 32 KB rows 0.76-1.26x (noisy). (The 16-bit forward
 #: prefetches at every width: its normalize loop is compute-bound, and 32-64 KB rows
 #: were 1.1-1.3x faster with it.)
 PREFETCH_ROW_BYTES = (2 << 10, 16 << 10)

@@ -287,7 +287,7 @@ class NumbaBackend(Backend):
 
     def _half_param32(self, p, d, dtype):
         """gamma for a 16-bit backward, as float32: given in `dtype`, decoded by the
-        kernels (exact, and faster than NumPy's float16 cast)."""
+        kernels (exact but a NaN's payload, and faster than NumPy's float16 cast)."""
         if p is None or np.asarray(p).dtype != dtype:
             return _param(p, d, np.float32, 1.0)
         out = np.empty(d, np.float32)
