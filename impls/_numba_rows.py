@@ -269,14 +269,33 @@ def _param_at(a, j, dec):
     return lambda a, j, dec: np.float32(a[j])
 
 
+#: How far ahead the 16-bit forward prefetches: the row at least this many bytes on
+#: (rows of 8 KB: the second next; 4 KB: the fourth next; 16 KB and wider: the next).
+#: Against the next row, one process, two threads: [8192, 4096] 1.12-1.26x and
+#: [16384, 2048] 1.20-1.43x faster; [65536, 512], [4096, 8192], [2048, 16384]
+#: 0.97-1.14x. 32 KB did as well; the float32/float64 forward, two rows ahead at 8-16 KB
+#: rows, 0.96-1.0x (it keeps the next row, _ahead).
+HALF_AHEAD_BYTES = 16 << 10
+
+
+@inline
+def _half_ahead(x16, r, r1, stream):
+    """How many elements after row r's start the row the half forward prefetches while
+    it normalizes row r starts: HALF_AHEAD_BYTES on when streaming, else the next row
+    (rows in cache: [256, 1000] was 0.94-1.01x with the farther one); 0 when that row
+    is past the chunk's last, r1 - 1."""
+    k = max(1, HALF_AHEAD_BYTES // max(1, x16.shape[1] * 2)) if stream else 1
+    return k * (x16.strides[0] // 2) if r + k < r1 else 0
+
+
 @inline
 def _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, centre, stream, dec, enc):
     """Rows r0..r1 of the half forward, one row at a time: the statistics from one read
     of the row, then the row normalized from L1 (an 8 KB row of 4096 halves stays there)
-    and written (_numba_norm_row; streamed with `stream`), while the next row of the
-    chunk is prefetched, a line a step, so that its statistics read it from cache: the
-    normalize loop is the longer, compute-bound part, and without the prefetch nothing
-    was read from memory while it ran ([8192, 4096]: LayerNorm 1.06x (float16) and
+    and written (_numba_norm_row; streamed with `stream`), while a row further on in the
+    chunk (_half_ahead) is prefetched, a line a step, so that its statistics read it
+    from cache: the normalize loop is the longer, compute-bound part, and without the
+    prefetch nothing was read from memory while it ran ([8192, 4096]: LayerNorm 1.06x (float16) and
     1.20x (bfloat16) faster with it, RMSNorm the same either way, one process). gamma
     and beta are read as 16-bit patterns when they are exactly representable: two
     float32 vectors of 4096 fill L1 by themselves, and with them there every row's
@@ -294,7 +313,7 @@ def _half_fwd_rows(x16, w, b, eps, y16, mean_out, rstd_out, r0, r1, centre, stre
                 yr[j] = enc(np.float32(v + param_at(b, j, dec) if centre else v))
         else:
             norm_row(xr, w, b, np.float32(mu), np.float32(rstd), yr, centre, stream,
-                     x16.strides[0] // 2 if r + 1 < r1 else 0, dec)
+                     _half_ahead(x16, r, r1, stream), dec)
 
 
 @jit
