@@ -68,27 +68,42 @@ def _rms_row(xr, w, rstd, yr, stream, ahead):
             yr[j] = np.float64(xr[j]) * rstd * w[j]
 
 
-#: float32/float64 rows of PREFETCH_ROW_BYTES[0] to [1] bytes prefetch the next row
-#: while they are normalized, when streamed. Measured in one process against no
-#: prefetch (two threads, streamed outputs), old/new time: rows of 2-16 KB ([131072, 256]
-#: float64 up to [8192, 4096] float32) 1.06-1.78x faster. Slower: 1 KB rows ([131072,
-#: 256] float32) 0.84-0.90x, which the hardware prefetcher streams by itself, and
-#: 64-128 KB rows 0.62-0.94x, whose next row's lines evict the current row's from L1
-#: (48 KB here) before it is normalized; 32 KB rows 0.76-1.26x (noisy). (The 16-bit forward
-#: prefetches at every width: its normalize loop is compute-bound, and 32-64 KB rows
-#: were 1.1-1.3x faster with it.)
+#: float32/float64 rows of PREFETCH_ROW_BYTES[0] to [1] bytes prefetch a row ahead
+#: (_rows_on) while they are normalized, when streamed. Measured in one process against
+#: no prefetch (two threads, streamed outputs), old/new time, the next row prefetched:
+#: rows of 2-16 KB ([131072, 256] float64 up to [8192, 4096] float32) 1.06-1.78x
+#: faster. Slower: 1 KB rows ([131072, 256] float32) 0.84-0.90x, which the hardware
+#: prefetcher streams by itself, and 64-128 KB rows 0.62-0.94x, whose next row's lines
+#: evict the current row's from L1 (48 KB here) before it is normalized; 32 KB rows
+#: 0.76-1.26x (noisy). (The 16-bit forward prefetches at every width: its normalize
+#: loop is compute-bound, and 32-64 KB rows were 1.1-1.3x faster with it.)
 PREFETCH_ROW_BYTES = (2 << 10, 16 << 10)
+#: How far ahead a streaming forward prefetches: the row at least this many bytes on,
+#: at least the next (rows of 8 KB: the second next; 4 KB: the fourth). Against the next
+#: row, one process: 16-bit [8192, 4096] 1.04-1.26x, [16384, 2048] 1.08-1.43x,
+#: [32768, 1024] 1.14-1.19x; float32 [32768, 1024] and [65536, 512] 1.12-1.21x, float64
+#: 1.01-1.07x; rows of 8 KB and more 0.96-1.03x, 16-bit [65536, 512], [4096, 8192] and
+#: [2048, 16384] 0.97-1.14x. 32 KB did as well.
+PREFETCH_AHEAD_BYTES = 16 << 10
+
+
+@inline
+def _rows_on(x, r, r1):
+    """How many elements after row r's start the row PREFETCH_AHEAD_BYTES on starts; 0
+    when that row is past the chunk's last, r1 - 1."""
+    k = max(1, PREFETCH_AHEAD_BYTES // max(1, x.shape[1] * x.itemsize))
+    return k * (x.strides[0] // x.itemsize) if r + k < r1 else 0
 
 
 @inline
 def _ahead(x, r, r1, stream):
-    """How many elements after row r's start the chunk's next row starts, which the
-    normalize loop (_numba_norm_row) prefetches a line of at each step; 0 (no prefetch)
-    when r is the chunk's last row, when the output is not streamed (the rows are in
-    cache) or when its rows' width is outside PREFETCH_ROW_BYTES."""
+    """How many elements after row r's start the row starts that the normalize loop
+    (_numba_norm_row) prefetches a line of at each step (_rows_on); 0 (no prefetch)
+    when the output is not streamed (the rows are in cache) or when its rows' width is
+    outside PREFETCH_ROW_BYTES."""
     low, high = PREFETCH_ROW_BYTES
-    if stream and r + 1 < r1 and low <= x.shape[1] * x.itemsize <= high:
-        return x.strides[0] // x.itemsize
+    if stream and low <= x.shape[1] * x.itemsize <= high:
+        return _rows_on(x, r, r1)
     return 0
 
 
@@ -104,7 +119,7 @@ def ln_fwd(x, w, b, eps, y, mean_out, rstd_out, n_chunks, stream):
     between two calls on the same array).
 
     Each row is normalized by _numba_norm_row (written to memory with streaming stores
-    with `stream`, the same bits, prefetching the next row where _ahead says); its loop
+    with `stream`, the same bits, prefetching a row ahead where _ahead says); its loop
     in LLVM IR took 0.89-1.00x the time of the Python one LLVM vectorized itself, which
     it replaced, on float32 rows in cache ([256, 1000], [1024, 1024], [4096, 64],
     [64, 4096], one process)."""
@@ -269,23 +284,15 @@ def _param_at(a, j, dec):
     return lambda a, j, dec: np.float32(a[j])
 
 
-#: How far ahead the 16-bit forward prefetches: the row at least this many bytes on
-#: (rows of 8 KB: the second next; 4 KB: the fourth next; 16 KB and wider: the next).
-#: Against the next row, one process, two threads: [8192, 4096] 1.12-1.26x and
-#: [16384, 2048] 1.20-1.43x faster; [65536, 512], [4096, 8192], [2048, 16384]
-#: 0.97-1.14x. 32 KB did as well; the float32/float64 forward, two rows ahead at 8-16 KB
-#: rows, 0.96-1.0x (it keeps the next row, _ahead).
-HALF_AHEAD_BYTES = 16 << 10
-
-
 @inline
 def _half_ahead(x16, r, r1, stream):
-    """How many elements after row r's start the row the half forward prefetches while
-    it normalizes row r starts: HALF_AHEAD_BYTES on when streaming, else the next row
-    (rows in cache: [256, 1000] was 0.94-1.01x with the farther one); 0 when that row
-    is past the chunk's last, r1 - 1."""
-    k = max(1, HALF_AHEAD_BYTES // max(1, x16.shape[1] * 2)) if stream else 1
-    return k * (x16.strides[0] // 2) if r + k < r1 else 0
+    """How many elements after row r's start the row starts that the half forward
+    prefetches while it normalizes row r: _rows_on when streaming, else the next row
+    (rows in cache: [256, 1000] was 0.94-1.01x with the farther one); 0 past the
+    chunk's last row."""
+    if stream:
+        return _rows_on(x16, r, r1)
+    return x16.strides[0] // 2 if r + 1 < r1 else 0
 
 
 @inline

@@ -28,12 +28,14 @@ def _rows(dtype, d, rows=5):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_streamed_row_has_the_bits_of_an_unstreamed_one(dtype):
-    """Streamed rows also prefetch the next one where their width is in
-    _numba_rows.PREFETCH_ROW_BYTES (d = 1000 here; 4097 float32 is beyond it)."""
+    """Streamed rows also prefetch a row ahead where their width is in
+    _numba_rows.PREFETCH_ROW_BYTES: d = 1000 here, in two chunks of 6 rows, where the
+    first rows of each have a row PREFETCH_AHEAD_BYTES on (4097 float32 is too wide)."""
     low, high = _numba_rows.PREFETCH_ROW_BYTES
     assert low <= 1000 * np.dtype(dtype).itemsize <= high
+    assert _numba_rows._ahead(np.empty((12, 1000), dtype), 0, 6, True) > 0
     for d in [*range(1, 40), 64, 100, 1000, 4097]:
-        x, w, b = _rows(dtype, d)
+        x, w, b = _rows(dtype, d, rows=12)
         outs = {}
         for stream in (False, True):
             y, mean, rstd = np.empty_like(x), np.zeros(len(x)), np.empty(len(x))
