@@ -224,22 +224,21 @@ def bn_grad_sums(x, g, w, mean, var, eps, ones, sums):
                     gamma[j] = w[c]
             if n * length <= SHORT_CHANNEL:
                 sums[0, c], sums[1, c] = _short_sums(x, g, ones, c, mean[c], r[c], lanes)
-                sums[2, c], sums[3, c] = (
-                    (sums[0, c], sums[1, c]) if unit
-                    else _short_sums(x, g, gamma, c, mean[c], r[c], lanes))
-                continue
-            for q in range(groups):
-                i0, i1 = q * rows, min(n, (q + 1) * rows)
-                for p in range(per):
-                    j0, j1 = p * PIECE, min(length, (p + 1) * PIECE)
-                    at = q * per + p
-                    parts[0, at], parts[1, at] = _piece_sums(x, g, ones, c, i0, i1, j0, j1,
-                                                             mean[c], r[c], lanes)
-                    if not unit:
-                        parts[2, at], parts[3, at] = _piece_sums(
-                            x, g, gamma, c, i0, i1, j0, j1, mean[c], r[c], lanes)
-            for f in range(2 if unit else 4):
-                sums[f, c] = pairwise(parts[f], k)
+                if not unit:
+                    sums[2, c], sums[3, c] = _short_sums(x, g, gamma, c, mean[c], r[c], lanes)
+            else:
+                for q in range(groups):
+                    i0, i1 = q * rows, min(n, (q + 1) * rows)
+                    for p in range(per):
+                        j0, j1 = p * PIECE, min(length, (p + 1) * PIECE)
+                        at = q * per + p
+                        parts[0, at], parts[1, at] = _piece_sums(
+                            x, g, ones, c, i0, i1, j0, j1, mean[c], r[c], lanes)
+                        if not unit:
+                            parts[2, at], parts[3, at] = _piece_sums(
+                                x, g, gamma, c, i0, i1, j0, j1, mean[c], r[c], lanes)
+                for f in range(2 if unit else 4):
+                    sums[f, c] = pairwise(parts[f], k)
             if unit:
                 sums[2, c], sums[3, c] = sums[0, c], sums[1, c]
 

@@ -27,13 +27,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_codec import DECODE_IR, F32, F64, I16, I64, c_row, format_of, splat
+from ._numba_codec import DECODE_IR, F32, F64, I16, c_row, format_of, i64, splat
 
 #: Lanes of the row sums (the backward's LANES).
 LANES = 16
 #: Steps of LANES elements that a float32 lane sums before its float64 lane takes it.
 BLOCK_STEPS = 8
-
 
 
 def _vec(t):
@@ -87,7 +86,7 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv, accumu
         zero64, zero = ir.Constant(_vec(F64), None), ir.Constant(_vec(ct), None)
 
         def row_of_lanes(row):
-            p = b.gep(l_a.data, [ir.Constant(I64, row * LANES)])
+            p = b.gep(l_a.data, [i64(row * LANES)])
             return b.bitcast(p, _vec(F64).as_pointer())
         start = ([b.load(row_of_lanes(row), align=8) for row in range(2)]
                  if accumulate.literal_value else [zero64, zero64])
@@ -102,7 +101,7 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv, accumu
             return b.fpext(v, _vec(F64)) if t is F32 and ct is F64 else v
 
         def step(i):
-            j = b.mul(i, ir.Constant(I64, LANES))
+            j = b.mul(i, i64(LANES))
             h = b.fmul(load(g_a, elt, j), load(w_a, ct, j))
             t = b.fmul(h, b.fmul(b.fsub(load(x_a, elt, j), mean), rstd))
             for acc, term in zip(sums if ct is F32 else sums64, (h, t), strict=True):
@@ -113,12 +112,12 @@ def lane_sums(typingctx, xr, wr, gr, m, s, lanes, whole, block_steps, cv, accumu
                 b.store(b.fadd(b.load(acc64), b.fpext(b.load(acc), _vec(F64))), acc64)
                 b.store(zero, acc)
 
-        steps = b.udiv(args[6], ir.Constant(I64, LANES))
+        steps = b.udiv(args[6], i64(LANES))
         if ct is F64:
             with cgutils.for_range(b, steps) as loop:
                 step(loop.index)
         else:
-            per = ir.Constant(I64, per_block)
+            per = i64(per_block)
             blocks = b.udiv(steps, per)
             with cgutils.for_range(b, blocks) as block:
                 with cgutils.for_range(b, per) as loop:
