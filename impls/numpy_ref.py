@@ -37,7 +37,8 @@ def _sum(v, axes, keepdims=False):
     axes = tuple(a % v.ndim for a in axes)
     rest = [a for a in range(v.ndim) if a not in axes]
     moved = np.ascontiguousarray(np.transpose(v, rest + list(axes)))
-    s = moved.reshape(moved.shape[:len(rest)] + (-1,)).sum(axis=-1)
+    kept = moved.shape[:len(rest)]
+    s = moved.reshape(kept + (int(np.prod(moved.shape[len(rest):])),)).sum(axis=-1)
     if keepdims:
         s = s.reshape([1 if a in axes else n for a, n in enumerate(v.shape)])
     return s

@@ -52,8 +52,8 @@ def test_the_gaps_of_a_view_hold_nan():
 
 
 def test_the_groups_have_the_issues_cases():
-    assert [c["shape"][0] for c in shapes.row_count_cases()][:11] == [
-        1, 2, 255, 256, 257, 300, 4096, 65535, 65536, 65537, 131072]
+    assert [c["shape"][0] for c in shapes.row_count_cases()][:12] == [
+        0, 1, 2, 255, 256, 257, 300, 4096, 65535, 65536, 65537, 131072]
     assert {c["shape"][1] for c in shapes.hidden_size_cases()} == {17, 1536, 3584, 70_003}
     assert {len(c["shape"]) for c in shapes.rank_cases()} == {2, 3, 4}
     assert {len(c["normalized_shape"]) for c in shapes.rank_cases()} == {1, 2, 3}
@@ -82,3 +82,8 @@ def test_a_grid_that_stops_at_65535_rows_fails_past_it_only():
 def test_a_fast_path_from_256_rows_fails_on_partial_blocks_only():
     failing = _failing_rows(bb.FastPathFrom256(), "F2/F3.row_counts")
     assert failing == {(op, n) for op in ("layer_norm", "rms_norm") for n in (257, 300, 65535, 65537)}
+
+
+def test_unwritten_gradients_of_an_empty_batch_fail_there_only():
+    failing = _failing_rows(bb.EmptyBatchSkipsBackward(), "F2/F3.row_counts")
+    assert failing == {("layer_norm", 0), ("rms_norm", 0)}

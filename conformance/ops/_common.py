@@ -31,10 +31,12 @@ def compare_param_grads(ctx, code, prefix, g64, x_hat, sum_axes, expected_w, exp
     the quantities ("layer_norm", "batch_norm.train"). `variants(i)`: the Alternatives
     of the VJP's field i (1: dgamma, 2: dbeta), for diagnosis."""
     n = g64.size
+    # kappa >= 1 always; no rows (an empty batch) have none, and their sums are exact 0s
+    kappa = np.max(kappa, initial=1.0)
     w_scale, b_scale = param_grad_scales(g64, x_hat, sum_axes)
     if expected_w is not None:
         ctx.conforms(expected=expected_w, actual=res.grad_weight, scale=w_scale,
-                     bound=bound("param_gradient", ctx.dtype, n, np.max(kappa)),
+                     bound=bound("param_gradient", ctx.dtype, n, kappa),
                      quantity=f"{prefix}.grad_weight", call=code,
                      variants=variants(1) if variants else None)
         ctx.oracle("show(result.grad_weight, expected_grads[1], name='grad_weight')")
