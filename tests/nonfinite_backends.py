@@ -11,22 +11,22 @@ from normspec.impls.numpy_ref import NumpyBackend, NumpyBatchNorm
 
 
 class InfOutput(NumpyBackend):
-    """LayerNorm whose first output element is +inf."""
+    """LayerNorm whose first output element is +inf (an empty output has none)."""
 
     def layer_norm(self, x, *args, **kwargs):
         res = super().layer_norm(x, *args, **kwargs)
         out = res.output.copy()
-        out.reshape(-1)[0] = np.inf
+        out.reshape(-1)[:1] = np.inf
         return res._replace(output=out)
 
 
 class NanOutput(NumpyBackend):
-    """RMSNorm whose last output element is NaN."""
+    """RMSNorm whose last output element is NaN (an empty output has none)."""
 
     def rms_norm(self, x, *args, **kwargs):
         res = super().rms_norm(x, *args, **kwargs)
         out = res.output.copy()
-        out.reshape(-1)[-1] = np.nan
+        out.reshape(-1)[-1:] = np.nan
         return res._replace(output=out)
 
 
