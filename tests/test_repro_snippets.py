@@ -62,4 +62,25 @@ def test_every_repro_runs_and_shows_the_finding(executed):
         elif rec.max_ulp is not None and "ULPs of" not in proc.stdout:
             broken.append(f"{rec.backend} {rec.check} {rec.case}: printed no comparison\n"
                           f"{proc.stdout[-800:]}\n--- snippet ---\n{rec.repro}")
+        elif (rec.quantity and not rec.quantity.endswith(".output")
+              and rec.quantity.rsplit(".", 1)[-1] not in proc.stdout):
+            # the gradient or statistic that failed, not only the ones compared before it
+            # (outputs are shown under each op's own name: scores, capped, ...)
+            broken.append(f"{rec.backend} {rec.check} {rec.case}: did not show "
+                          f"{rec.quantity}\n{proc.stdout[-800:]}\n--- snippet ---\n{rec.repro}")
     assert [] == broken
+
+
+def test_a_parameter_gradient_finding_shows_that_gradient():
+    """A backend wrong in dL/dgamma only: its repro prints dL/dgamma against the spec's,
+    not only the output and dL/dx that were compared (and agreed) before it."""
+    loaded = LoadedBackend("EmptyBatchSkipsBackward", "tests", backend=bb.EmptyBatchSkipsBackward(),
+                           requested="broken_backends:EmptyBatchSkipsBackward")
+    recs = [r for r in runner.run_check(loaded, CHECKS["F2/F3.row_counts"], "float32", seed=0,
+                                        examples=1) if r.status == "fail"]
+    assert {r.quantity for r in recs} == {"layer_norm.grad_weight", "rms_norm.grad_weight"}
+    for rec in recs:
+        proc = execute(rec.repro)
+        assert proc.returncode == 0, proc.stderr[-800:]
+        assert "grad_weight" in proc.stdout, (
+            f"the repro of {rec.quantity} printed\n{proc.stdout}\n--- snippet ---\n{rec.repro}")

@@ -35,14 +35,15 @@ def compare_param_grads(ctx, code, prefix, g64, x_hat, sum_axes, expected_w, exp
     kappa = np.max(kappa, initial=1.0)
     w_scale, b_scale = param_grad_scales(g64, x_hat, sum_axes)
     if expected_w is not None:
+        # the repro shows the quantity before it is compared, so a failure's shows it too
+        ctx.oracle("show(result.grad_weight, expected_grads[1], name='grad_weight')")
         ctx.conforms(expected=expected_w, actual=res.grad_weight, scale=w_scale,
                      bound=bound("param_gradient", ctx.dtype, n, kappa),
                      quantity=f"{prefix}.grad_weight", call=code,
                      variants=variants(1) if variants else None)
-        ctx.oracle("show(result.grad_weight, expected_grads[1], name='grad_weight')")
     if expected_b is not None:
+        ctx.oracle("show(result.grad_bias, expected_grads[2], name='grad_bias')")
         ctx.conforms(expected=expected_b, actual=res.grad_bias, scale=b_scale,
                      bound=bound("param_gradient", ctx.dtype, n, bias_kappa),
                      quantity=f"{prefix}.grad_bias", call=code,
                      variants=variants(2) if variants else None)
-        ctx.oracle("show(result.grad_bias, expected_grads[2], name='grad_bias')")
