@@ -540,12 +540,13 @@ class EmptyBatchSkipsBackward(NumpyBackend):
     dL/dgamma and dL/dbeta come back in buffers nothing wrote: np.empty's garbage, NaN
     here so that the test is deterministic. The spec's sums of no terms are 0."""
 
+    UNWRITTEN = ("grad_weight", "grad_bias")
+
     def _unwritten(self, res, x, normalized_shape):
         if _rows_of(x, normalized_shape).shape[0] != 0:
             return res
         return res._replace(**{k: np.full_like(getattr(res, k), np.nan)
-                               for k in ("grad_weight", "grad_bias")
-                               if getattr(res, k) is not None})
+                               for k in self.UNWRITTEN if getattr(res, k) is not None})
 
     def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
         return self._unwritten(super().layer_norm(x, normalized_shape, weight, bias, eps,
@@ -554,6 +555,13 @@ class EmptyBatchSkipsBackward(NumpyBackend):
     def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
         return self._unwritten(super().rms_norm(x, normalized_shape, weight, eps, grad_output),
                                x, normalized_shape)
+
+
+class EmptyBatchSkipsDbeta(EmptyBatchSkipsBackward):
+    """EmptyBatchSkipsBackward with dL/dgamma written and dL/dbeta not (LayerNorm only has
+    one): a finding in dL/dbeta alone, whose repro must show dL/dbeta."""
+
+    UNWRITTEN = ("grad_bias",)
 
 
 class FastPathFrom256(NumpyBackend):

@@ -71,16 +71,22 @@ def test_every_repro_runs_and_shows_the_finding(executed):
     assert [] == broken
 
 
-def test_a_parameter_gradient_finding_shows_that_gradient():
-    """A backend wrong in dL/dgamma only: its repro prints dL/dgamma against the spec's,
-    not only the output and dL/dx that were compared (and agreed) before it."""
-    loaded = LoadedBackend("EmptyBatchSkipsBackward", "tests", backend=bb.EmptyBatchSkipsBackward(),
-                           requested="broken_backends:EmptyBatchSkipsBackward")
+
+@pytest.mark.parametrize(("name", "quantities"), [
+    ("EmptyBatchSkipsBackward", {"layer_norm.grad_weight", "rms_norm.grad_weight"}),
+    ("EmptyBatchSkipsDbeta", {"layer_norm.grad_bias"})])
+def test_a_parameter_gradient_finding_shows_that_gradient(name, quantities):
+    """Backends wrong in dL/dgamma and dL/dbeta (the first of which fails a record), or in
+    dL/dbeta only: each finding's repro prints that gradient against the spec's, not only
+    the output and dL/dx that were compared (and agreed) before it."""
+    loaded = LoadedBackend(name, "tests", backend=getattr(bb, name)(),
+                           requested=f"broken_backends:{name}")
     recs = [r for r in runner.run_check(loaded, CHECKS["F2/F3.row_counts"], "float32", seed=0,
                                         examples=1) if r.status == "fail"]
-    assert {r.quantity for r in recs} == {"layer_norm.grad_weight", "rms_norm.grad_weight"}
+    assert {r.quantity for r in recs} == quantities
     for rec in recs:
         proc = execute(rec.repro)
         assert proc.returncode == 0, proc.stderr[-800:]
-        assert "grad_weight" in proc.stdout, (
+        field = rec.quantity.rsplit(".", 1)[-1]
+        assert f"{field}[" in proc.stdout, (
             f"the repro of {rec.quantity} printed\n{proc.stdout}\n--- snippet ---\n{rec.repro}")

@@ -9,10 +9,10 @@ the same view. Every op runs with weight and bias, and with an upstream gradient
 the backend returns gradients, so dL/dgamma and dL/dbeta are compared in every case.
 
 - row counts straddling launch thresholds (256-row fast paths, 65535-block grids, int16
-  row indices): apex #411, pytorch #16998, #19911, vLLM #48271; and no rows at all, an
-  empty batch, where a launch of zero blocks fails (pytorch PR #28614, PR #80893,
-  intel/torch-xpu-ops PR #4378) or, skipped, leaves dL/dgamma and dL/dbeta unwritten
-  (the spec's sums of no terms are 0);
+  row indices): apex #411, pytorch #16998, #19911, vLLM #48271; and, for LayerNorm and
+  RMSNorm, no rows at all, an empty batch, where a launch of zero blocks fails (pytorch
+  PR #28614, PR #80893, intel/torch-xpu-ops PR #4378) or, skipped, leaves dL/dgamma (and
+  dL/dbeta) unwritten: the spec's sums of no terms are 0;
 - hidden sizes that are not powers of two (padded lanes) and longer than one block:
   Liger-Kernel #518, triton #9838;
 - ranks 2 to 4 and multi-axis normalized shapes (backwards that assume 2-D input):
@@ -33,7 +33,9 @@ from ..context import Unsupported
 from ..ops import BatchNormDriver, layer_norm_case, qk_scores_case, rms_norm_case
 from . import check
 
-ROW_COUNTS = (0, 1, 2, 255, 256, 257, 300, 4096, 65535, 65536, 65537, 131072)
+ROW_COUNTS = (1, 2, 255, 256, 257, 300, 4096, 65535, 65536, 65537, 131072)
+#: LayerNorm and RMSNorm also take an empty batch (see the module doc)
+NORM_ROW_COUNTS = (0,) + ROW_COUNTS
 ROW_D = 4  # small: 131072 x 4 float64 is 4 MB, and the matrix stays fast
 HIDDEN_SIZES = {17: 3, 1536: 3, 3584: 2, 70_003: 2}  # d -> rows
 #: (x shape, normalized_shape): ranks 2, 3, 4, one to three normalized axes
@@ -92,7 +94,7 @@ def _run(ctx, cases, runner, label):
 # ------------------------------------------------------------------ LayerNorm, RMSNorm
 def row_count_cases():
     for op in NORM_OPS:
-        for rows in ROW_COUNTS:
+        for rows in NORM_ROW_COUNTS:
             yield dict(op=op, shape=(rows, ROW_D), normalized_shape=(ROW_D,))
 
 
