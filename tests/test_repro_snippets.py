@@ -71,7 +71,6 @@ def test_every_repro_runs_and_shows_the_finding(executed):
     assert [] == broken
 
 
-
 @pytest.mark.parametrize(("name", "quantities"), [
     ("EmptyBatchSkipsBackward", {"layer_norm.grad_weight", "rms_norm.grad_weight"}),
     ("EmptyBatchSkipsDbeta", {"layer_norm.grad_bias"})])

@@ -88,4 +88,3 @@ def test_unwritten_gradients_of_an_empty_batch_fail_there_only():
     failing = _failing_rows(bb.EmptyBatchSkipsBackward(), "F2/F3.row_counts")
     assert failing == {("layer_norm", 0), ("rms_norm", 0)}
     assert _failing_rows(bb.EmptyBatchSkipsDbeta(), "F2/F3.row_counts") == {("layer_norm", 0)}
-
