@@ -51,12 +51,15 @@ def test_reports_know_the_results_schema_only(path):
 
 def test_every_subpackage_is_installed():
     """pyproject lists the packages by hand (the repository root is the package): a new
-    folder of modules missing there works in an editable install and nowhere else."""
+    folder of modules missing there works in an editable install and nowhere else. Data
+    folders (no __init__.py) are listed too, each with its package data, so that
+    setuptools installs them without warning."""
     import tomllib
 
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-                 ["tool"]["setuptools"]["packages"])
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
     found = {"normspec" + "".join("." + p for p in init.parent.relative_to(ROOT).parts)
              for init in ROOT.rglob("__init__.py")
              if not {"tests", ".venv", ".tox", "build"} & set(init.relative_to(ROOT).parts)}
-    assert found == listed
+    data = {name for name in setup["package-data"] if name not in found}
+    assert all((ROOT.joinpath(*name.split(".")[1:])).is_dir() for name in data)
+    assert found | data == set(setup["packages"])
