@@ -391,6 +391,7 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
     def keep(rec: dict) -> None:
         rows.append(rec)
         progress(_line(rec))
+    finished = 0  # rows of the measurements whose every round is done
     try:
         for name in backends or registry.default_backends():
             worker = Worker(name, label, env=CHILD_ENV)
@@ -403,6 +404,7 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
                 worker.stop()
         stopped: dict[int, str] = {}
         for i, group in enumerate(_groups(items)):
+            finished = len(rows)
             rounds: list[list[dict]] = []
             for round_ in range(1, ROUNDS + 1):
                 start = len(rows)
@@ -434,6 +436,11 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
             rows.extend(_kept(rounds))
             for name, why in unavailable.items():
                 rows.extend(_not_measured(name, group, why))
+    except KeyboardInterrupt:
+        # Ctrl-C: the measurements finished so far are the results (the one in progress,
+        # not yet compared across its rounds, is dropped), and the run says it stopped
+        doc["runs"][0].update(complete=False, stopped_by="SIGINT")
+        del rows[finished:]
     finally:
         for _, worker in workers:
             worker.stop()
@@ -474,7 +481,12 @@ def summary(rows: list[dict]) -> str:
 
 def main(args) -> int:
     doc = run_bench(args.backend, quick=args.quick, curve=not args.no_curve)
-    print("\n" + summary(doc["benchmarks"]))
     path = results.write(doc, args.json)
-    print(f"\nbenchmarks: {path}  (pass it to `normspec report` to plot them)")
-    return 0
+    stopped = doc["runs"][0].get("stopped_by")
+    try:
+        print("\n" + summary(doc["benchmarks"]))
+        print(f"\nbenchmarks: {path}  (pass it to `normspec report` to plot them)"
+              + (f"; stopped by {stopped}: partial" if stopped else ""))
+    except OSError:  # stdout gone: the file is written
+        pass
+    return 130 if stopped else 0

@@ -48,6 +48,21 @@ def _sliced(a):
     return view
 
 
+def _split_heads(a):
+    """Leading axes whose strides do not collapse to one row stride, with a unit last
+    stride: [..., m, n, d] as q = qkv[..., 0, :, :].transpose(-2, -3) is, from a buffer
+    [..., n, 2, m, d] (Qwen3's QK-norm input): row (i, j) lies at i d + 2 j m d, not at
+    (i n + j) times any one stride. A kernel that checks only the last stride and walks
+    rows at stride(-2) reads the NaN of the other half (a no-op below rank 3)."""
+    if a.ndim < 3:
+        return a
+    *lead, m, n, d = a.shape
+    buf = _poisoned((*lead, n, 2, m, d), a.dtype)
+    view = np.swapaxes(buf[..., 0, :, :], -2, -3)
+    view[...] = a
+    return view
+
+
 def _channels_last(a):
     """Axis 1 (the channel axis of BatchNorm's [N, C, ...]) innermost in memory, as
     torch's channels_last memory format stores [N, C, H, W] (a no-op below rank 3)."""
@@ -62,6 +77,7 @@ LAYOUTS = {
     "transposed": _transposed,
     "strided": _strided,
     "sliced": _sliced,
+    "split_heads": _split_heads,
     "channels_last": _channels_last,
 }
 

@@ -184,6 +184,10 @@ def _unwritable(path: Path) -> str | None:
     removing) a scratch file where it would go; None if it can."""
     if path.is_dir():
         return f"{path} is a folder"
+    if path.exists() and not path.is_file():
+        # written by renaming a finished file over it: a device (/dev/null) or a pipe
+        # would be replaced by a regular file, as root
+        return f"{path} is not a regular file"
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
@@ -193,6 +197,13 @@ def _unwritable(path: Path) -> str | None:
     except OSError as exc:
         return f"{parent} is not a writable folder ({exc.strerror})"
     return None
+
+
+def _same_file(path: Path, *others: Path) -> bool:
+    """Whether `path` names the same file as one of `others` (symbolic links and
+    relative paths resolved; files that do not exist yet compared by name)."""
+    here = path.resolve()
+    return any(here == o.resolve() for o in others)
 
 
 def _new_stem(label: str) -> str:
@@ -263,6 +274,17 @@ def _tell(line: str) -> None:
         pass
 
 
+def _unknown_backend(names) -> str | None:
+    """What is wrong with the first --backend that names no installed backend (a
+    module:factory is tried when loaded), or None."""
+    known = registry.discover()
+    for name in names or ():
+        if ":" not in name and name not in known:
+            return (f"unknown backend {name!r}; known: {', '.join(sorted(known))} "
+                    "(or give module:factory)")
+    return None
+
+
 def _refuse(message: str) -> int:
     print(f"normspec run: error: {message}", file=sys.stderr)
     return 2
@@ -280,11 +302,9 @@ def cmd_run(args) -> int:
         replicas()
     except ValueError as exc:
         return _refuse(f"${REPLICAS_ENV}: {exc}")
-    known = registry.discover()
-    for name in args.backend or ():
-        if ":" not in name and name not in known:
-            return _refuse(f"unknown backend {name!r}; known: {', '.join(sorted(known))} "
-                           f"(or give module:factory)")
+    unknown = _unknown_backend(args.backend)
+    if unknown:
+        return _refuse(unknown)
     stem = None if args.json else _new_stem(label)
     json_path = Path(args.json) if args.json else RESULTS_DIR / f"{stem}.json"
     html_path = None if args.no_html else (
@@ -293,6 +313,9 @@ def cmd_run(args) -> int:
         why = path is not None and _unwritable(path)
         if why:
             return _refuse(f"cannot write {path}: {why}")
+    if html_path is not None and _same_file(html_path, json_path, _stream_path(json_path)):
+        return _refuse(f"--html {html_path} is the results file itself (or its stream): "
+                       "the report would replace the results")
     if _stream_path(json_path).exists():
         return _refuse(f"{_stream_path(json_path)} exists (the stream of a run that did not "
                        "finish?); report it, move it away, or give another --json")
@@ -324,15 +347,16 @@ def cmd_run(args) -> int:
         except runner.BackendNotUsable as exc:
             return _refuse(str(exc))
         info = doc["runs"][0]
-        if not stream:  # stopped while the backends were loading: no check ran
-            _tell(f"normspec run: stopped by {info['stopped_by']} before any check ran; "
-                  "nothing was written")
-            return 128 + signal.Signals[info["stopped_by"]].value
-        stream[0].end(complete=info["complete"], stopped_by=info["stopped_by"],
-                      duration_s=info["duration_s"])
-        stream[0].close()
+        if stream:
+            stream[0].end(complete=info["complete"], stopped_by=info["stopped_by"],
+                          duration_s=info["duration_s"])
+            stream[0].close()
+        # (no stream: stopped while the backends were loading; the file still says so)
         results.write(doc, json_path)
-        _stream_path(json_path).unlink()
+        if stream:
+            _stream_path(json_path).unlink()
+        elif stem:  # the newest run, if an empty one: `normspec report` shows it
+            (RESULTS_DIR / LATEST).write_text(stem + "\n", encoding="utf-8")
         if html_path is not None:
             from normspec.reports import html
 
@@ -345,9 +369,10 @@ def cmd_run(args) -> int:
                 return 1
         if info["stopped_by"]:
             done = info["planned"] - len(info["not_reached"])
-            _tell(f"normspec run: stopped by {info['stopped_by']} after {done} of "
-                  f"{info['planned']} checks; partial results: {json_path}"
-                  + (f" (report: {html_path})" if html_path else ""))
+            when = (f"after {done} of {info['planned']} checks" if stream else
+                    "while the backends were loading, before any check")
+            _tell(f"normspec run: stopped by {info['stopped_by']} {when}; partial results: "
+                  f"{json_path}" + (f" (report: {html_path})" if html_path else ""))
             return 128 + signal.Signals[info["stopped_by"]].value
         failing = sum(r["status"] in results.FAILING for r in doc["records"])
         try:
@@ -416,6 +441,10 @@ def print_summary(doc: dict, out=None) -> int:
         verdict = "conforms" if failing == 0 else f"{failing} failing"
         if c.get("deviation"):
             verdict += f", {c['deviation']} documented deviations"
+        held_back = c.get("unsupported", 0) + c.get("refused", 0)
+        if held_back > c.get("pass", 0) + c.get("deviation", 0):
+            # a backend that implements little conforms in little: say how little
+            verdict += f" (where it ran: {held_back} of {sum(c.values())} cases not run)"
         rows.append([b["name"], b["version"], *[c.get(s, 0) for s in results.STATUSES], verdict])
     print(file=out)
     _print_table(rows, out)
@@ -467,6 +496,7 @@ def cmd_report(args) -> int:
     try:
         files = _report_inputs(args.files)
         docs = [results.read(f) for f in files]
+        results.check_mergeable(docs, [str(f) for f in files])
     except results.ResultsError as exc:
         print(f"normspec report: error: {exc}", file=sys.stderr)
         return 2
@@ -476,7 +506,8 @@ def cmd_report(args) -> int:
         out = REPORTS_DIR / f"{files[0].stem}.html"
     else:
         out = REPORTS_DIR / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-merged.html"
-    why = _unwritable(out)
+    why = _unwritable(out) or (_same_file(out, *files) and
+                               "it is one of the results files the report is made from")
     if why:
         print(f"normspec report: error: cannot write {out}: {why}", file=sys.stderr)
         return 2
@@ -492,6 +523,14 @@ def cmd_report(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
+    unknown = _unknown_backend(args.backend)
+    if unknown:
+        print(f"normspec bench: error: {unknown}", file=sys.stderr)
+        return 2
+    why = _unwritable(Path(args.json))
+    if why:
+        print(f"normspec bench: error: cannot write {args.json}: {why}", file=sys.stderr)
+        return 2
     return bench.main(args)
 
 

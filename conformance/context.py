@@ -18,7 +18,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -105,6 +105,43 @@ def _describe(a) -> str:
     return f"{type(a).__name__} {a!r}"[:200]
 
 
+#: Characters of a backend's exception message a record keeps (its head and tail).
+MAX_MESSAGE = 4000
+#: Set in a worker process, which ignores SIGINT: a KeyboardInterrupt raised in a backend
+#: call there is the backend's, a finding like any exception.
+BACKEND_INTERRUPTS_ARE_FINDINGS = [False]
+
+
+def exception_text(exc: BaseException, *, with_type: bool = True) -> str:
+    """'Type: message' of an exception a backend raised, whatever it holds: a __str__
+    that raises, a lone surrogate (escaped, so the results and the report can be
+    written), or megabytes of text (cut to MAX_MESSAGE characters, head and tail)."""
+    try:
+        said = str(exc)
+    except Exception as inner:  # noqa: BLE001 - the backend's own __str__
+        said = f"(its message could not be read: {type(inner).__name__})"
+    said = said.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(said) > MAX_MESSAGE:
+        half = MAX_MESSAGE // 2
+        said = f"{said[:half]} [... {len(said) - MAX_MESSAGE} characters ...] {said[-half:]}"
+    if not with_type:
+        return said
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+
+
+def _owned(out):
+    """The arrays a call returned, copied: a backend that hands back one buffer at every
+    call (a static output, a cache) would otherwise overwrite an earlier result with a
+    later one, and two calls a check compares would always agree (found by a review:
+    B9.deterministic passed a nondeterministic backend that reused its buffer)."""
+    if isinstance(out, np.ndarray):
+        return out.copy()
+    if isinstance(out, tuple) and hasattr(out, "_replace"):
+        return out._replace(**{k: v.copy() for k, v in out._asdict().items()
+                               if isinstance(v, np.ndarray)})
+    return out
+
+
 @dataclass
 class Context:
     backend_name: str
@@ -188,25 +225,35 @@ class Context:
         return rounded
 
     # ---------------------------------------------------------------- calls
-    def call(self, code: str, fn, *args, outputs_like=None, refusable: bool = False):
+    def call(self, code: str, fn, *args, outputs_like=None, refusable: bool = False,
+             arg_names: tuple[str, ...] = ()):
         """Call the backend. `code` is the call as the repro writes it; `outputs_like`
         maps Result field names (or "output" for a bare array) to the (shape, dtype) the
-        protocol requires."""
+        protocol requires; `arg_names` names the arguments as `code` does, where their
+        positions there are not fn's (an argument written into is named by them)."""
         self.calls.append(code)
         arrays = [(i, a, a.copy()) for i, a in enumerate(args) if isinstance(a, np.ndarray)]
         try:
             out = fn(*args)
         except NotImplementedError as exc:
-            raise Unsupported(f"{code}: not implemented ({exc})" if str(exc) else
+            said = exception_text(exc, with_type=False)
+            raise Unsupported(f"{code}: not implemented ({said})" if said else
                               f"{code}: not implemented") from exc
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # a worker ignores SIGINT, so there a KeyboardInterrupt is the backend's own;
+            # in-process (the pytest plugin) it may be the user's Ctrl-C
+            if isinstance(exc, KeyboardInterrupt) and not BACKEND_INTERRUPTS_ARE_FINDINGS[0]:
+                raise
+            raise BackendError(f"{code} raised {exception_text(exc)}") from exc
         except Exception as exc:  # noqa: BLE001 - a backend's failure is a finding
-            message = f"{type(exc).__name__}: {exc}"
+            message = exception_text(exc)
             if refusable:
                 raise Refused(message) from exc
             raise BackendError(f"{code} raised {message}") from exc
         for i, a, before in arrays:
             if not np.array_equal(a, before, equal_nan=True):
-                raise CheckFailure(f"got argument {i} modified in place, but the spec says "
+                what = arg_names[i] if i < len(arg_names) else f"argument {i}"
+                raise CheckFailure(f"got {what} modified in place, but the spec says "
                                    f"inputs are never modified [{code}]")
         for name, (shape, dtype) in (outputs_like or {}).items():
             value = out if name == "output" and isinstance(out, np.ndarray) else getattr(out, name, None)
@@ -217,7 +264,7 @@ class Context:
                 raise CheckFailure(
                     f"got {name} of shape {value.shape} and dtype {value.dtype}, but the "
                     f"spec says shape {tuple(shape)} and dtype {np.dtype(dtype)} [{code}]")
-        return out
+        return _owned(out)
 
     def raises(self, code: str, fn, *args) -> str | None:
         """Call the backend through the same guard as `call` where raising is the
@@ -285,12 +332,17 @@ class Context:
         self.explained.append((message, self.reason(convention)))
 
     def holds(self, *, condition: bool, got: str, spec_says: str, call: str,
-              explained_by: str | None = None) -> None:
+              explained_by: str | None = None, measured: bool = False) -> None:
         """assert_holds; `explained_by` names a declared convention under which the
-        property does not hold by design (the record is then a deviation)."""
+        property does not hold by design (the record is then a deviation). `measured`:
+        the property is about what this case measured (B9's bit differences), whose worst
+        comparison is then the failure's quantity and ULPs; a failure names none
+        otherwise (see case)."""
         try:
             assert_holds(condition=condition, got=got, spec_says=spec_says, call=call)
         except CheckFailure as exc:
+            if measured:
+                exc.measure = replace(self.measure)
             if explained_by is None:
                 raise
             self.explain(str(exc), explained_by)
@@ -331,14 +383,25 @@ class Context:
                 # declared convention explained (deviation entries match its quantity)
                 measure.max_ulp, measure.bound_ulp = exc.measure.max_ulp, exc.measure.bound_ulp
                 measure.worst = exc.measure.worst
+            else:
+                # a yes/no failure (a property, the protocol) has no quantity or ULPs of its
+                # own: a comparison that passed before it would lend it its quantity, and a
+                # deviation entry scoped to that quantity would explain it away (found by a
+                # review: a float16 eval() that updated the running statistics passed as
+                # the documented 'batch_norm.eval' float16 arithmetic)
+                measure.comparisons, measure.worst = 0, {}
         except Unsupported as exc:
             status, message = "unsupported", str(exc)
         except Refused as exc:
             status, message = "refused", str(exc)
         except BackendError as exc:
             status, message = "error", str(exc)
+        except (KeyboardInterrupt, SystemExit) as exc:  # from the backend (see call)
+            if isinstance(exc, KeyboardInterrupt) and not BACKEND_INTERRUPTS_ARE_FINDINGS[0]:
+                raise
+            status, message = "error", exception_text(exc)
         except Exception as exc:  # noqa: BLE001 - e.g. a Hypothesis error about the backend
-            status, message = "error", f"{type(exc).__name__}: {exc}"
+            status, message = "error", exception_text(exc)
         measured = measure.comparisons > 0
         rec = Record(
             backend=self.backend_name, check=self.check_id, claim=self.claim,

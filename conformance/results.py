@@ -212,6 +212,30 @@ def _check_keys(obj, keys: dict, what: str, source: str) -> None:
             raise ResultsError(f"{source}: {what} has {k} = {obj[k]!r}, not a {t.__name__}")
 
 
+_NUMBER = (int, float)
+_MEASURE = (int, float, type(None))  # after number(): "inf"/"nan" are floats by then
+#: The JSON types of the optional fields the report reads (a value of another type is
+#: refused by name here, not met as a traceback while the report is drawn).
+RECORD_TYPES: dict[str, Any] = {
+    "message": str, "quantity": str, "note": str, "inputs": str, "repro": str, "reason": str,
+    "run": str, "worst": dict, "diagnosis": dict, "seed": (int, type(None)),
+    **{k: _MEASURE for k in MEASURES}}
+RUN_TYPES: dict[str, Any] = {k: (int, type(None)) if v is None else type(v)
+                             for k, v in RUN_DEFAULTS.items()}
+BACKEND_TYPES: dict[str, Any] = {k: (str, type(None)) if v is None else type(v)
+                                 for k, v in BACKEND_DEFAULTS.items()}
+
+
+def _check_types(obj: dict, types: dict, what: str, source: str) -> None:
+    for k, t in types.items():
+        v = obj.get(k)
+        if k in obj and (not isinstance(v, t) or isinstance(v, bool) and bool not in
+                         (t if isinstance(t, tuple) else (t,))):
+            names = " or ".join("null" if x is type(None) else x.__name__
+                                for x in (t if isinstance(t, tuple) else (t,)))
+            raise ResultsError(f"{source}: {what} has {k} = {repr(v)[:80]}, not {names}")
+
+
 def validate(doc, source: str = "results") -> dict:
     """`doc` if it is a readable results document, with measures decoded; else
     ResultsError naming the first problem."""
@@ -225,20 +249,25 @@ def validate(doc, source: str = "results") -> dict:
             raise ResultsError(f"{source} has no list {key!r}")
     for i, run in enumerate(doc["runs"]):
         _check_keys(run, {"run": str}, f"run {i}", source)
+        _check_types(run, RUN_TYPES, f"run {i}", source)
         doc["runs"][i] = {**RUN_DEFAULTS, **run}
     for i, b in enumerate(doc["backends"]):
         _check_keys(b, BACKEND_KEYS, f"backend {i}", source)
+        _check_types(b, BACKEND_TYPES, f"backend {i}", source)
+        _check_types(b.get("conventions", {}), {"reasons": dict}, f"backend {i}'s conventions",
+                     source)
         doc["backends"][i] = {**BACKEND_DEFAULTS, **b}
     for i, r in enumerate(doc["records"]):
         _check_keys(r, RECORD_KEYS, f"record {i}", source)
         if r["status"] not in STATUSES:
             raise ResultsError(f"{source}: record {i} has unknown status {r['status']!r}")
-        if not isinstance(r.get("worst", {}), dict) or not isinstance(r.get("message", ""), str):
-            raise ResultsError(f"{source}: record {i} has a 'worst' that is not an object or "
-                               "a 'message' that is not a string")
+        _check_types(decode_record(r), RECORD_TYPES, f"record {i}", source)
     for key in ("tolerances", "benchmarks"):
         if not isinstance(doc.setdefault(key, []), list):
             raise ResultsError(f"{source} has {key!r} that is not a list")
+    for i, t in enumerate(doc["tolerances"]):
+        if not isinstance(t, dict):
+            raise ResultsError(f"{source}: tolerance {i} is {type(t).__name__}, not an object")
     for i, b in enumerate(doc["benchmarks"]):
         _check_keys(b, BENCH_KEYS, f"benchmark {i}", source)
         doc["benchmarks"][i] = _bench_defaults(b)
@@ -306,6 +335,33 @@ def merge(docs: list[dict]) -> dict:
             out["tolerances"] = doc.get("tolerances", [])
     out["backends"] = _fold_backends(out["backends"], out["records"])
     return out
+
+
+def check_mergeable(docs: list[dict], names: list[str]) -> None:
+    """ResultsError when documents cannot be merged into one honest report: the same run
+    in two files (its records would count twice), or one backend name in one run label
+    with two versions or sources (two backends whose records would be added together).
+    `names` names the documents in the message."""
+    seen: dict[tuple, str] = {}
+    for doc, name in zip(docs, names, strict=True):
+        for run in doc.get("runs", []):
+            key = (run.get("run"), run.get("created"), run.get("shard"))
+            if key in seen and run.get("created"):  # old files without a time: cannot tell
+                raise ResultsError(f"{name} and {seen[key]} both hold run {key[0]!r} created "
+                                   f"{key[1] or '(no time)'}: its records would count twice")
+            seen.setdefault(key, name)
+    backends: dict[tuple, tuple] = {}
+    for doc, name in zip(docs, names, strict=True):
+        for b in doc.get("backends", []):
+            who = (b.get("name"), b.get("run"))
+            what = (b.get("version"), b.get("source"))
+            if who in backends and backends[who][0] != what:
+                (version, source), other = backends[who]
+                raise ResultsError(
+                    f"backend {who[0]!r} of run {who[1]!r} is {what[0] or '?'} ({what[1]}) in "
+                    f"{name} and {version or '?'} ({source}) in {other}: two backends under "
+                    "one name (give a run --label)")
+            backends.setdefault(who, (what, name))
 
 
 def _fold_backends(backends: list[dict], records: list[dict]) -> list[dict]:

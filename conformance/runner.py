@@ -204,6 +204,9 @@ class _Run:
 
     def _keep(self, unit, rec: dict) -> None:
         rec["run"] = self.label
+        # filed under the name the results list the backend by: a process started after a
+        # crash may have made it call itself something else (a name with its pid)
+        rec["backend"] = unit[0]
         with self.lock:
             self.records.setdefault(unit, []).append(rec)
             self.on_record(rec)
@@ -414,7 +417,7 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
                     rec = Record(backend=w.entry["name"], check="load", claim="-", op="-",
                                  dtype="-", case="load", status="error", seed=seed,
                                  message=f"backend {w.requested!r} could not be used: {w.error}")
-                    load_records.append(((w.requested, "load", "-"), rec.to_json()))
+                    load_records.append(((w.entry["name"], "load", "-"), rec.to_json()))
         # the slowest backend first (by the previous run, where known): two cores finish
         # sooner when the long job does not start last
         usable = sorted((w for w in workers if w not in unusable),

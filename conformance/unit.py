@@ -126,4 +126,7 @@ def backend_entry(loaded: registry.LoadedBackend, label: str) -> dict:
                 entry[key] = obj.as_dict() if hasattr(obj, "as_dict") else dict(vars(obj))
             except Exception as exc:  # noqa: BLE001 - a third party's broken declaration
                 entry[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        if not isinstance(entry["conventions"].get("reasons", {}), dict):
+            # the checks read a missing reasons table as none; so does the report
+            entry["conventions"]["reasons"] = {}
     return entry

@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Any
 
 from .results import Record
@@ -49,6 +50,14 @@ def hypothesis_home() -> str:
     return os.path.join(cache, "normspec", "hypothesis")
 
 
+def _kill_group(pid: int) -> None:
+    """SIGKILL to the process group a worker child leads (see _child_main)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass  # gone already, or the child could not make its group (then pid is not one)
+
+
 def _die_with_parent() -> None:
     try:
         import ctypes
@@ -72,6 +81,13 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def _child_main(conn, requested: str, label: str, env: dict | None = None) -> None:
+    try:
+        # a process group of its own, which the parent kills whole (Worker.kill): a
+        # process the backend forks would otherwise outlive the run (PR_SET_PDEATHSIG is
+        # not inherited across fork; found by a review)
+        os.setpgid(0, 0)
+    except OSError:
+        pass
     for key, value in (CHILD_ENV if env is None else env).items():
         os.environ.setdefault(key, value)
     # the parent stops the run (a Ctrl-C or a SIGTERM reaches the whole process group)
@@ -83,6 +99,9 @@ def _child_main(conn, requested: str, label: str, env: dict | None = None) -> No
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _die_with_parent()
+    from normspec.conformance import context
+
+    context.BACKEND_INTERRUPTS_ARE_FINDINGS[0] = True
     from hypothesis.configuration import set_hypothesis_home_dir
 
     set_hypothesis_home_dir(hypothesis_home())
@@ -157,6 +176,7 @@ class Worker:
         self.requested, self.label, self.env = requested, label, env
         self.proc: Any = None
         self.conn: Any = None
+        self._group_killed = False  # (see kill)
         self.entry: dict = {}
         self.deviations: list = []
         self.error: str | None = None
@@ -177,6 +197,10 @@ class Worker:
                 self.error = "the run was stopped"
                 return False
             ctx = multiprocessing.get_context("spawn")
+            # started now if at all, before the mask below: starting its own process it
+            # unblocks SIGINT and SIGTERM, which let the first worker start unmasked (a
+            # Ctrl-C then printed that worker's traceback; found by a review)
+            resource_tracker.ensure_running()
             parent, child = ctx.Pipe()
             self.proc = ctx.Process(target=_child_main,
                                     args=(child, self.requested, self.label, self.env),
@@ -191,7 +215,7 @@ class Worker:
                 if mask is not None:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             child.close()
-            self.conn = parent
+            self.conn, self._group_killed = parent, False
         return True
 
     def wait_loaded(self, timeout: float, interrupt=None) -> bool:
@@ -261,8 +285,15 @@ class Worker:
         could as well have closed a descriptor reused meanwhile.)"""
         with self._kill_lock:
             proc, conn, self.conn = self.proc, self.conn, None
-            if proc is not None and proc.is_alive():
-                proc.kill()
+            if proc is not None and proc.pid is not None:
+                if not self._group_killed:
+                    # the child and whatever it forked; once per process, at the first
+                    # kill, while its id is still its group's (never again later, when
+                    # the reaped id may name another process group)
+                    self._group_killed = True
+                    _kill_group(proc.pid)
+                if proc.is_alive():
+                    proc.kill()
                 proc.join(5.0)
             if conn is not None:
                 conn.close()
@@ -281,7 +312,10 @@ class Worker:
                 conn.send(("stop",))
             except (OSError, ValueError):
                 pass
-            self.proc.join(5.0)
+            # polled, not joined: join waits on a pipe a forked grandchild holds open too
+            deadline = time.monotonic() + 5.0
+            while self.proc.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
         self.kill()
 
     # ------------------------------------------------------------ units

@@ -45,8 +45,8 @@ def _copy_param(param, value):
 def _grads(module, x_t, y, grad_output, *names):
     y.backward(to_torch(grad_output))
     out = [to_numpy(x_t.grad)]
-    for n in names:
-        p = getattr(module, n, None)
+    for n in names:  # a name None: a parameter the caller did not pass
+        p = None if n is None else getattr(module, n, None)
         out.append(None if p is None else to_numpy(p.grad))
     return out
 
@@ -109,11 +109,14 @@ class TorchBackend(Backend):
 
     def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
         nn = self.torch.nn
-        m = nn.LayerNorm(tuple(normalized_shape), eps=eps, elementwise_affine=weight is not None,
+        # nn.LayerNorm holds beta only beside gamma: beta alone is gamma = ones (its
+        # initial value, which multiplies exactly), and gamma's gradient not returned
+        m = nn.LayerNorm(tuple(normalized_shape), eps=eps,
+                         elementwise_affine=weight is not None or bias is not None,
                          bias=bias is not None, dtype=torch_dtype(x.dtype))
         _copy_param(m.weight, weight)
         _copy_param(m.bias, bias)
-        return self._run(m, x, grad_output, "weight", "bias")
+        return self._run(m, x, grad_output, "weight" if weight is not None else None, "bias")
 
     def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
         m = self.torch.nn.RMSNorm(tuple(normalized_shape), eps=eps,

@@ -6,6 +6,7 @@ SVG, so the file opens from disk with no network."""
 from __future__ import annotations
 
 import copy
+import html as html_text
 import io
 import math
 import re
@@ -66,6 +67,21 @@ def _figure_svg(fig) -> str:
 
     plt.close(fig)
     return _clean_svg(buf.getvalue())
+
+
+def _drawn(plot, *args) -> str | None:
+    """A plot's SVG, or a line saying why it could not be drawn: the records are the
+    report, and a plot that fails on what a backend named itself (matplotlib refuses a
+    lone surrogate) must not cost the page."""
+    try:
+        return plot(*args)
+    except Exception as exc:  # noqa: BLE001 - any failure of the drawing library
+        import matplotlib.pyplot as plt
+
+        plt.close("all")
+        return (f'<p class="muted">This plot could not be drawn '
+                f"({html_text.escape(type(exc).__name__)}: {html_text.escape(str(exc)[:300])})."
+                "</p>")
 
 
 def _ratio(r) -> float | None:
@@ -198,8 +214,9 @@ def build_context(doc: dict) -> dict:
     findings = [dict(r, claim_text=claim_text(r["claim"]), anchor=anchor[id(r)]) for r in findings]
     return {"doc": doc, "columns": columns, "dtypes": dtypes, "matrix": matrix,
             "verdicts": verdicts, "findings": findings, "statuses": results.STATUSES,
-            "symbols": SYMBOL, "error_svg": error_plot(doc), "bench_svg": bench_plot(doc, _figure_svg),
-            "curve_svg": curve_plot(doc, _figure_svg),
+            "symbols": SYMBOL, "error_svg": _drawn(error_plot, doc),
+            "bench_svg": _drawn(bench_plot, doc, _figure_svg),
+            "curve_svg": _drawn(curve_plot, doc, _figure_svg),
             "total": Counter(r["status"] for r in doc["records"])}
 
 
@@ -218,6 +235,7 @@ def write_report(docs: list[dict], path) -> Path:
     page = render(docs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
+    # a lone surrogate (a backend's bytes decoded with surrogateescape) as its escape
+    tmp.write_text(page, encoding="utf-8", errors="backslashreplace")
     tmp.replace(path)
     return path

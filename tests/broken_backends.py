@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 
 import normspec.spec as spec
 import numpy as np
@@ -175,6 +176,29 @@ class DropsTail(NumpyBackend):
         return Result(out.reshape(x.shape))
 
 
+class AffineOnlyWithBoth(NumpyBackend):
+    """LayerNorm takes its affine path only when gamma and beta are both given, so
+    LayerNorm(bias=False) loses its gamma (and beta alone is lost too)."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        if weight is None or bias is None:
+            res = super().layer_norm(x, normalized_shape, None, None, eps, grad_output)
+            return res._replace(grad_weight=None if weight is None else np.zeros_like(weight),
+                                grad_bias=None if bias is None else np.zeros_like(bias))
+        return super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+
+
+class BetaOnlyUnderGamma(NumpyBackend):
+    """LayerNorm adds beta inside `if weight is not None`: beta without gamma is dropped,
+    and its gradient with it (returned as zeros)."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        if weight is None and bias is not None:
+            res = super().layer_norm(x, normalized_shape, None, None, eps, grad_output)
+            return res._replace(grad_bias=None if grad_output is None else np.zeros_like(bias))
+        return super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+
+
 class AssumesContiguous(NumpyBackend):
     """Reads its input's memory in order, as a kernel that ignores strides would."""
 
@@ -232,6 +256,70 @@ class WritesInput(NumpyBackend):
 class Raises(NumpyBackend):
     def layer_norm(self, *args, **kwargs):
         raise RuntimeError("kernel launch failed")
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("this message cannot be read")
+
+
+class RaisesUnprintable(NumpyBackend):
+    """LayerNorm raises an exception whose __str__ raises too."""
+
+    def layer_norm(self, *args, **kwargs):
+        raise _Unprintable()
+
+
+class RaisesSurrogate(NumpyBackend):
+    """LayerNorm raises with a lone surrogate in its message (bytes decoded with
+    surrogateescape), which no UTF-8 file can hold as it is."""
+
+    def layer_norm(self, *args, **kwargs):
+        raise ValueError("byte \udcff here")
+
+
+class RaisesKeyboardInterrupt(NumpyBackend):
+    """LayerNorm raises KeyboardInterrupt itself (no Ctrl-C was pressed)."""
+
+    def layer_norm(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+
+class RaisesSystemExit(NumpyBackend):
+    """LayerNorm calls sys.exit(0)."""
+
+    def layer_norm(self, *args, **kwargs):
+        raise SystemExit(0)
+
+
+class RaisesHugeMessage(NumpyBackend):
+    """LayerNorm raises with five million characters of message."""
+
+    def layer_norm(self, *args, **kwargs):
+        raise ValueError("x" * 5_000_000)
+
+
+class SurrogateName(NumpyBackend):
+    """The correct backend, calling itself by a name holding a lone surrogate (set per
+    instance: every class here is named after itself, below)."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "numpy\udcff"
+
+
+class NoReasonsTable(NumpyBackend):
+    """The correct backend, declaring its conventions as a plain object (the harness reads
+    them attribute by attribute) whose reasons are None, not a table."""
+
+    conventions = types.SimpleNamespace(**{**NumpyBackend.conventions.as_dict(),
+                                           "reasons": None})
+
+
+class BadDeviationEntry(NumpyBackend):
+    """The correct backend with a deviation entry that gives no reason: refused at load."""
+
+    deviations = ({"op": "layer_norm"},)
 
 
 class Hangs(NumpyBackend):
@@ -471,6 +559,61 @@ class _ChannelLastStatsLayer(NumpyBatchNorm):
         return super().forward(x, grad_output)
 
 
+class _ChannelBlockStats(NumpyBackend):
+    """Per-channel statistics taken block by block of BLOCK channels, the last, partial
+    block never launched: its channels keep the buffers' initial mean 0 and variance 1.
+    Right for up to BLOCK channels and for multiples of it."""
+
+    BLOCK = 32
+
+    def _unlaunched(self, stat, fill):
+        c = stat.shape[1]  # BatchNorm's statistics: [1, C, 1, ...]
+        full = c - c % self.BLOCK
+        if c <= self.BLOCK or full == c:
+            return stat
+        stat = stat.copy()
+        stat[:, full:] = fill
+        return stat
+
+    def mean(self, v, axes):
+        return self._unlaunched(super().mean(v, axes), 0.0)
+
+    def variance(self, v, axes, mu):
+        return self._unlaunched(super().variance(v, axes, mu), 1.0)
+
+
+class ChannelBlocks(NumpyBackend):
+    """BatchNorm with _ChannelBlockStats' statistics: BatchNorm(100) normalizes channels
+    96..99 with mean 0 and variance 1 (LayerNorm and RMSNorm are numpy's)."""
+
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        return NumpyBatchNorm(_ChannelBlockStats(), num_features, eps, momentum, affine,
+                              track_running_stats, np.dtype(dtype), weight, bias)
+
+
+class _ZeroesParamsLayer(NumpyBatchNorm):
+    """Takes gamma and beta by reference and resets the caller's arrays to 1 and 0 (an
+    init routine run on the given storage): the layer then ignores what it was given."""
+
+    def __init__(self, backend, c, eps, momentum, affine, track, dtype, weight, bias):
+        for p, value in ((weight, 1.0), (bias, 0.0)):
+            if p is not None:
+                p[...] = value
+        super().__init__(backend, c, eps, momentum, affine, track, dtype, weight, bias)
+
+
+class _ListGradsLayer(NumpyBatchNorm):
+    """Returns dL/dgamma and dL/dbeta as Python lists of float64, not arrays of the dtype."""
+
+    def forward(self, x, grad_output=None):
+        res = super().forward(x, grad_output)
+        if res.grad_weight is None:
+            return res
+        return res._replace(grad_weight=res.grad_weight.astype(np.float64).tolist(),
+                            grad_bias=res.grad_bias.astype(np.float64).tolist())
+
+
 BiasedRunningVar = _bn_backend(_BiasedVarLayer)
 FlippedMomentum = _bn_backend(_FlippedMomentumLayer)
 EvalUsesBatchStats = _bn_backend(_EvalBatchStatsLayer)
@@ -485,6 +628,8 @@ IgnoresAffine = _bn_backend(_IgnoresAffineLayer)
 CumulativeIgnored = _bn_backend(_CumulativeIgnoredLayer)
 UntrackedEvalUsesInit = _bn_backend(_UntrackedEvalUsesInitLayer)
 ChannelLastStats = _bn_backend(_ChannelLastStatsLayer)
+ZeroesParams = _bn_backend(_ZeroesParamsLayer)
+ListGrads = _bn_backend(_ListGradsLayer)
 
 
 class NoGradSkipsUpdate(OracleBackend):
@@ -672,7 +817,27 @@ def _from_storage_start(a):
     return np.lib.stride_tricks.as_strided(root, a.shape, a.strides).copy()
 
 
-def _reads(read, *, grad_only=False):
+def _one_row_stride(a):
+    """What a kernel that takes an offset and one row stride reads: with a unit last
+    stride it walks row r at r * stride(-2) elements from the view's first element (any
+    other last stride: it copies to contiguous first, which is right). Right for every
+    view whose leading axes collapse to one stride, wrong for heads split from a fused
+    qkv. Read from the view's buffer by index, within it (NaN past its end, where the
+    kernel would read whatever lies there)."""
+    if a is None or a.ndim < 2 or a.strides[-1] != a.itemsize:
+        return None if a is None else np.ascontiguousarray(a)
+    root = _root(a)
+    flat = root.reshape(-1)  # the layouts' buffers are C-contiguous arrays of their own
+    start = (a.__array_interface__["data"][0] - root.__array_interface__["data"][0]) // a.itemsize
+    rows, d = int(np.prod(a.shape[:-1])), a.shape[-1]
+    index = start + np.arange(rows)[:, None] * (a.strides[-2] // a.itemsize) + np.arange(d)
+    inside = index < flat.size
+    out = np.full((rows, d), np.nan, a.dtype)
+    out[inside] = flat[index[inside]]
+    return out.reshape(a.shape)
+
+
+def _reads(read, *, grad_only=False, qk=False):
     class Broken(NumpyBackend):
         def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
             return super().layer_norm(x if grad_only else read(x), normalized_shape, weight, bias,
@@ -681,6 +846,10 @@ def _reads(read, *, grad_only=False):
         def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
             return super().rms_norm(x if grad_only else read(x), normalized_shape, weight, eps,
                                     read(grad_output))
+
+        if qk:
+            def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+                return super().qk_norm_scores(read(q), read(k), q_weight, k_weight, eps, scale)
     return Broken
 
 
@@ -690,6 +859,8 @@ IgnoresStrides = _reads(_as_contiguous_memory)
 IgnoresOffset = _reads(_from_storage_start)
 #: the backward reads the upstream gradient as if contiguous (quack #88)
 GradAssumedContiguous = _reads(_as_contiguous_memory, grad_only=True)
+#: rows at one stride, QK-norm too (sgl-kernel-xpu #169/#170, vllm-xpu-kernels PR #397)
+OneRowStride = _reads(_one_row_stride, qk=True)
 
 
 class _BatchNormIgnoresStridesLayer(NumpyBatchNorm):
@@ -807,6 +978,17 @@ def _rows(v, axes) -> int:
     return v.size // int(np.prod([v.shape[a] for a in axes]))
 
 
+def _sequential_mean(v, axes):
+    """The mean over `axes` (keepdims) with the terms added one after another, in the
+    dtype of v: a sequential loop's order, as against NumPy's pairwise tree."""
+    ends = tuple(range(v.ndim - len(axes), v.ndim))
+    moved = np.moveaxis(v, axes, ends)
+    flat = moved.reshape(moved.shape[:v.ndim - len(axes)] + (-1,))
+    total = np.add.accumulate(flat, axis=-1)[..., -1] / v.dtype.type(flat.shape[-1])
+    keep = [1 if i % v.ndim in {a % v.ndim for a in axes} else n for i, n in enumerate(v.shape)]
+    return total.reshape(keep)
+
+
 class SwitchesStrategyWithBatch(NumpyBackend):
     """Changes its reduction with the number of rows, as kernels do: at most SMALL rows are
     each walked by one sequential loop (float32 partial sums added one by one), more rows
@@ -820,26 +1002,17 @@ class SwitchesStrategyWithBatch(NumpyBackend):
     def _small(self, v, axes):
         return _rows(v, axes) <= self.SMALL
 
-    @staticmethod
-    def _sequential_mean(v, axes):
-        ends = tuple(range(v.ndim - len(axes), v.ndim))
-        moved = np.moveaxis(v, axes, ends)
-        flat = moved.reshape(moved.shape[:v.ndim - len(axes)] + (-1,))
-        total = np.add.accumulate(flat, axis=-1)[..., -1] / v.dtype.type(flat.shape[-1])
-        keep = [1 if i in axes else n for i, n in enumerate(v.shape)]
-        return total.reshape(keep)
-
     def mean(self, v, axes):
-        return self._sequential_mean(v, axes) if self._small(v, axes) else super().mean(v, axes)
+        return _sequential_mean(v, axes) if self._small(v, axes) else super().mean(v, axes)
 
     def variance(self, v, axes, mu):
         if self._small(v, axes):
-            return self._sequential_mean((v - mu) ** 2, axes)
+            return _sequential_mean((v - mu) ** 2, axes)
         return super().variance(v, axes, mu)
 
     def mean_square(self, v, axes):
         if self._small(v, axes):
-            return self._sequential_mean(v * v, axes)
+            return _sequential_mean(v * v, axes)
         return super().mean_square(v, axes)
 
     def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
@@ -848,9 +1021,17 @@ class SwitchesStrategyWithBatch(NumpyBackend):
                                           track_running_stats, np.dtype(dtype), weight, bias)
 
 
+class SwitchesStrategyFrom512(SwitchesStrategyWithBatch):
+    """SwitchesStrategyWithBatch with its threshold where launch heuristics put one
+    (a split reduction from 512 rows on): the same row alone and in 257 rows agrees, in
+    1024 rows it does not."""
+
+    SMALL = 511
+
+
 class _FoldsForLargeBatchesLayer(NumpyBatchNorm):
     def forward(self, x, grad_output=None):
-        if self.uses_batch_stats() or x.shape[0] <= SwitchesStrategyWithBatch.SMALL \
+        if self.uses_batch_stats() or x.shape[0] <= self.backend.SMALL \
                 or grad_output is not None or self.weight is None:
             return super().forward(x, grad_output)
         ct = self.ct
@@ -899,11 +1080,61 @@ class RandomOrderSums(NumpyBackend):
         shuffled = flat[..., rng.permutation(flat.shape[-1])]
         return np.moveaxis(shuffled.reshape(moved.shape), ends, axes)
 
+    # the terms added one after another in the new order, as atomic adds do (a pairwise
+    # sum of a long positive row, such as RMSNorm's squares, can round two orders alike,
+    # and the backend would then seem deterministic by chance)
     def mean(self, v, axes):
-        return super().mean(self._permuted(v, axes), axes)
+        return _sequential_mean(self._permuted(v, axes), axes)
 
     def mean_square(self, v, axes):
-        return super().mean_square(self._permuted(v, axes), axes)
+        return _sequential_mean(self._permuted(v * v, axes), axes)
+
+
+class AtomicParamGradSums(NumpyBackend):
+    """A correct forward and dL/dx; dL/dgamma and dL/dbeta summed over the rows in a
+    different order at every call, as a backward that reduces them with atomic adds does
+    (Liger PR #945, llm.c PR #445): accurate every time, not the same bits twice. The
+    order comes from the instance's call counter, so a test is repeatable."""
+
+    def _shuffled(self, op, x, normalized_shape, grad_output, *rest):
+        res = getattr(super(), op)(x, normalized_shape, *rest, grad_output)
+        if grad_output is None:
+            return res
+        self.calls = getattr(self, "calls", 0) + 1
+        shape = tuple(normalized_shape)
+        xr, gr = x.reshape((-1,) + shape), grad_output.reshape((-1,) + shape)
+        order = np.random.default_rng(self.calls).permutation(xr.shape[0])
+        again = getattr(super(), op)(xr[order], shape, *rest, gr[order])
+        return res._replace(grad_weight=again.grad_weight, grad_bias=again.grad_bias)
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        return self._shuffled("layer_norm", x, normalized_shape, grad_output, weight, bias, eps)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        return self._shuffled("rms_norm", x, normalized_shape, grad_output, weight, eps)
+
+
+class ReusesOutputBuffer(RandomOrderSums):
+    """RandomOrderSums whose LayerNorm and RMSNorm write every output into one buffer per
+    shape and dtype, kept between calls (a static output, as a graph runtime's may be):
+    a harness that keeps the first call's array sees the second call's bits in it."""
+
+    def _into_buffer(self, res):
+        buffers = self.__dict__.setdefault("buffers", {})
+        fields = {}
+        for k, v in res._asdict().items():
+            if isinstance(v, np.ndarray):
+                buf = buffers.setdefault((k, v.shape, v.dtype.str), np.empty_like(v))
+                buf[...] = v
+                fields[k] = buf
+        return res._replace(**fields)
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        return self._into_buffer(super().layer_norm(x, normalized_shape, weight, bias, eps,
+                                                    grad_output))
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        return self._into_buffer(super().rms_norm(x, normalized_shape, weight, eps, grad_output))
 
 
 class _TrainUsesRunningStatsLayer(NumpyBatchNorm):

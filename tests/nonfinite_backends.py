@@ -76,6 +76,36 @@ class Segfaults(NumpyBackend):
         os.kill(os.getpid(), signal.SIGSEGV)
 
 
+class SegfaultsNamedByPid(Segfaults):
+    """Segfaults whose name holds its process id: the process started after the crash
+    calls the backend something else."""
+
+    def __init__(self):
+        super().__init__()
+        import os
+
+        self.name = f"pid{os.getpid()}"
+
+
+class ForksAChild(NumpyBackend):
+    """LayerNorm forks a process that outlives the call: it writes its pid to
+    $NORMSPEC_TEST_ORPHAN_FILE, sleeps 3 s, then writes "still alive" there."""
+
+    def layer_norm(self, *args, **kwargs):
+        import os
+        import time as _time
+
+        if os.fork() == 0:
+            path = os.environ["NORMSPEC_TEST_ORPHAN_FILE"]
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"{os.getpid()}\n")
+            _time.sleep(3)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write("still alive\n")
+            os._exit(0)
+        return super().layer_norm(*args, **kwargs)
+
+
 # each reports under its own name (the class name), so runs of several stay apart
 for _cls in (InfOutput, NanOutput, InfGradient, NanRunningStats, Slow, Segfaults):
     _cls.name = _cls.__name__

@@ -392,3 +392,26 @@ def test_torch_prepared_backward_does_not_add_into_the_last_calls_gradients():
     assert np.allclose(tensors["b"].grad.numpy(), g.sum(0)), (
         f"got dL/dbeta {tensors['b'].grad.numpy()} after two calls, but one call gives "
         f"{g.sum(0)}")
+
+
+def test_ctrl_c_keeps_the_measurements_taken_and_says_the_bench_stopped(monkeypatch):
+    """Ctrl-C during the second measurement (its records in): the first is kept, the
+    second dropped (not compared across rounds), the run says SIGINT, and
+    `normspec bench` writes the file and exits 130 (it had ended with a traceback and
+    nothing saved)."""
+    from normspec.conformance import worker
+
+    items = [dict(series="table", op="rms_norm", dtype="float32", shape=[16, 64 * k],
+                  pass_="forward", variant="protocol") for k in (1, 2)]
+    real, calls = worker.Worker.run_job, []
+
+    def run_job(self, message, **kw):
+        calls.append(message)
+        out = real(self, message, **kw)
+        if len(calls) == 2:  # the second measurement's records have arrived
+            raise KeyboardInterrupt
+        return out
+    monkeypatch.setattr(worker.Worker, "run_job", run_job)
+    doc = bench.run_bench(["numpy"], items=items, repeat=2, progress=lambda line: None)
+    assert (doc["runs"][0]["complete"], doc["runs"][0]["stopped_by"]) == (False, "SIGINT")
+    assert [r["shape"] for r in doc["benchmarks"]] == [[16, 64]]

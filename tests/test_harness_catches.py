@@ -148,6 +148,18 @@ DEFECTS = {
         bb.DropsResidualGradient, "F8.fused_add_rms_norm", "float32"),
     "fused add + LayerNorm whose backward drops the residual's gradient": (
         bb.DropsResidualGradient, "F8.fused_add_layer_norm", "bfloat16"),
+    # blind spots a review found: each slipped through every check before
+    "dL/dgamma, dL/dbeta reduced in a different order at every call (atomic adds)": (
+        bb.AtomicParamGradSums, "B9.deterministic", "float32"),
+    "BatchNorm statistics in blocks of 32 channels, the partial last block skipped": (
+        bb.ChannelBlocks, "F1.values", "float32"),
+    "rows walked at one stride (heads split from a fused qkv read wrong)": (
+        bb.OneRowStride, "F2/F3.layouts", "float32"),
+    "QK-norm rows walked at one stride": (bb.OneRowStride, "F6.row_counts", "float32"),
+    "a BatchNorm layer that resets the caller's gamma and beta arrays": (
+        bb.ZeroesParams, "F1.values", "float32"),
+    "BatchNorm gradients of gamma and beta as Python lists": (bb.ListGrads, "F1.grad",
+                                                               "bfloat16"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}
@@ -221,3 +233,29 @@ def test_a_hanging_adapter_times_out_and_the_run_goes_on():
     records = run(bb.Hangs(), "F2.values", "float32", timeout=2.0)
     assert records[-1].status == "error" and "timed out after 2 s" in records[-1].message
     assert {"pass"} == {r.status for r in run(bb.Hangs(), "F3.values", "float32")}
+
+
+@pytest.mark.parametrize(("broken", "failing"), [
+    (bb.AffineOnlyWithBoth, {"gamma only", "beta only"}),
+    (bb.BetaOnlyUnderGamma, {"beta only"})])
+@pytest.mark.parametrize("check_id", ["F2.values", "F2.grad"])
+def test_layer_norm_with_one_parameter_is_checked(broken, failing, check_id):
+    """LayerNorm given gamma alone (LayerNorm(bias=False)) or beta alone: the drawn cases
+    pass both or neither, so the fixed cases are all that catch a kernel that needs both,
+    or adds beta under gamma; they fail there and nowhere else."""
+    records = run(broken(), check_id, "float32")
+    assert {r.case.split(",")[0] for r in records if r.status != "pass"} == failing
+
+
+@pytest.mark.parametrize("check_id", ["F1.values", "F1.grad"])
+def test_many_channels_are_checked(check_id):
+    """BatchNorm whose statistics skip a partial last block of 32 channels: the drawn
+    cases have at most 16 channels, so the 100-channel case is what fails, alone."""
+    records = run(bb.ChannelBlocks(), check_id, "float32")
+    assert [r.case.split(":")[0] for r in records if r.status != "pass"] == ["100 channels"]
+
+
+def test_a_layer_that_writes_into_gamma_is_named_for_it():
+    failed = [r for r in run(bb.ZeroesParams(), "F1.values", "float32") if r.status == "fail"]
+    assert failed and all(r.message.startswith("got weight modified in place")
+                          for r in failed), failed[0].message

@@ -3,7 +3,10 @@ entries match), even when a declared convention explained a larger miss before i
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
+from normspec.conformance import deviations
 from normspec.conformance.context import Context
 from normspec.impls.numpy_ref import NumpyBackend
 from normspec.impls.protocol import Conventions, np_dtype
@@ -24,3 +27,24 @@ def test_the_failed_comparison_decides_the_quantity():
     rec = ctx.records[-1]
     assert rec.status == "fail" and rec.quantity == "batch_norm.eval.grad_bias"
     assert rec.worst["quantity"] == "batch_norm.eval.grad_bias"
+
+
+def test_a_yes_no_failure_takes_no_quantity_from_a_comparison_before_it():
+    """A property that fails after a comparison passed: the record names no quantity and
+    no ULPs, so a deviation entry scoped to the passing comparison's quantity cannot
+    match it (an op/dtype-wide entry still can: its scope is everything)."""
+    ctx = Context(backend_name="b", source="tests", backend=NumpyBackend(), check_id="c",
+                  claim="B6", op="batch_norm", dtype=np_dtype("float16"), seed=0, examples=1,
+                  conventions=Conventions())
+    one = np.ones(4)
+    with ctx.case("an output that agrees, then running statistics that moved in eval()"):
+        ctx.conforms(expected=one, actual=np.ones(4, np.float16), scale=one, bound=1.0,
+                     quantity="batch_norm.eval.output", call="c")
+        ctx.holds(condition=False, got="running_mean changed", spec_says="unchanged", call="c")
+    rec = ctx.records[-1]
+    assert (rec.status, rec.quantity, rec.max_ulp) == ("fail", "", None)
+    scoped = {"op": "batch_norm", "dtype": "float16", "quantity": "batch_norm.eval",
+              "reason": "eval arithmetic in float16"}
+    wide = {"op": "batch_norm", "dtype": "float16", "reason": "all of float16 BatchNorm"}
+    assert not deviations.matches(scoped, asdict(rec))
+    assert deviations.matches(wide, asdict(rec))

@@ -23,8 +23,9 @@ TESTS = Path(__file__).resolve().parent
 NONFINITE = ["InfOutput", "NanOutput", "InfGradient", "NanRunningStats"]
 
 
-def normspec(cwd, *args, timeout=600, **kw):
-    env = dict(os.environ, PYTHONPATH=str(TESTS), HYPOTHESIS_STORAGE_DIRECTORY=str(cwd / ".hyp"))
+def normspec(cwd, *args, timeout=600, extra_env=None, **kw):
+    env = dict(os.environ, PYTHONPATH=str(TESTS), HYPOTHESIS_STORAGE_DIRECTORY=str(cwd / ".hyp"),
+               **(extra_env or {}))
     return subprocess.run([sys.executable, "-m", "normspec", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout, **kw)
 
@@ -242,9 +243,11 @@ def test_ctrl_c_in_a_program_that_calls_run_itself_stops_it_safely(monkeypatch):
 @pytest.mark.parametrize("when", ["loading", "writing"])
 def test_a_stop_while_loading_or_while_writing_is_not_a_crash(tmp_path, monkeypatch, when):
     """A signal before any check ran ends the run with 128 + its number and one line, no
-    traceback; one after the last check (while the results are written) changes nothing:
-    the run is complete and written. Found by a review: IndexError and exit 1 while
-    loading; the finished run's results thrown away, or a traceback, while writing."""
+    traceback, and a results file that says the run stopped before any check; one after
+    the last check (while the results are written) changes nothing: the run is complete
+    and written. Found by reviews: IndexError and exit 1 while loading; the finished
+    run's results thrown away, or a traceback, while writing; no file at all after a
+    stop while loading, where a partial results file is promised."""
     from normspec.conformance import cli, runner
 
     monkeypatch.chdir(tmp_path)
@@ -265,7 +268,9 @@ def test_a_stop_while_loading_or_while_writing_is_not_a_crash(tmp_path, monkeypa
                    "float32", "--no-html", "--json", "r.json"])
     if when == "loading":
         assert rc == 128 + signal.SIGTERM.value
-        assert not (tmp_path / "r.json").exists() and not (tmp_path / "r.json.jsonl").exists()
+        run = results.read(tmp_path / "r.json")["runs"][0]
+        assert (run["complete"], run["stopped_by"]) == (False, "SIGTERM")
+        assert not (tmp_path / "r.jsonl").exists()
     else:
         assert rc == 0
         assert results.read(tmp_path / "r.json")["runs"][0]["complete"] is True
@@ -402,6 +407,8 @@ BAD_RUN = [
     (["--json", "/proc/normspec/r.json"], "/proc/normspec/r.json"),
     (["--shard", "0/3"], "'0/3'"), (["--shard", "4/3"], "'4/3'"), (["--shard", "2"], "'2'"),
     (["--replicas", "1"], "'1'"),
+    (["--json", "r.json", "--html", "r.json"], "r.json"),
+    (["--json", "/dev/null"], "/dev/null"),
 ]
 
 
@@ -424,6 +431,21 @@ BAD_REPORT = {
     "nan-token.json": '{"schema": "normspec-results", "version": 2, "runs": [], "backends": [],'
                       ' "records": [], "x": NaN}',
     "future.json": '{"schema": "normspec-results", "version": 99}',
+    # readable, but of types the report would meet as a traceback
+    "measure-text.json": '{"schema": "normspec-results", "version": 2, "runs": [], "backends":'
+                         ' [], "records": [{"backend": "b", "check": "c", "claim": "F2", "op":'
+                         ' "layer_norm", "dtype": "float32", "case": "x", "status": "pass",'
+                         ' "max_ulp": "abc"}]}',
+    "versions-null.json": '{"schema": "normspec-results", "version": 2, "runs": [{"run": "r",'
+                          ' "versions": null}], "backends": [], "records": []}',
+    "capabilities-text.json": '{"schema": "normspec-results", "version": 2, "runs": [],'
+                              ' "backends": [{"name": "b", "available": true, "run": "r",'
+                              ' "capabilities": "x"}], "records": []}',
+    "reasons-null.json": '{"schema": "normspec-results", "version": 2, "runs": [], "backends":'
+                         ' [{"name": "b", "available": true, "run": "r", "conventions":'
+                         ' {"reasons": null}}], "records": []}',
+    "tolerance-number.json": '{"schema": "normspec-results", "version": 2, "runs": [],'
+                             ' "backends": [], "records": [], "tolerances": [1, 2]}',
 }
 
 
@@ -437,3 +459,130 @@ def test_a_bad_report_input_is_refused_without_output(tmp_path, name):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and (name in lines[0] or "latest" in lines[0]), proc.stderr
     assert files(tmp_path) == before
+
+
+HOSTILE = {  # backend -> (exit code, status of its LayerNorm records, words of the message)
+    "RaisesUnprintable": (1, "error", "_Unprintable: (its message could not be read"),
+    "RaisesSurrogate": (1, "error", "ValueError: byte \\udcff here"),
+    "RaisesKeyboardInterrupt": (1, "error", "raised KeyboardInterrupt"),
+    "RaisesSystemExit": (1, "error", "raised SystemExit: 0"),
+    "RaisesHugeMessage": (1, "error", "characters ...]"),
+    "SurrogateName": (0, "pass", ""),
+    "NoReasonsTable": (0, "pass", ""),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_what_a_backend_says_cannot_cost_the_results_or_the_report(tmp_path, name):
+    """Exceptions that cannot be printed, lone surrogates, a KeyboardInterrupt or a
+    SystemExit of the backend's own, megabytes of message, a name a plot cannot draw, a
+    reasons table that is None: each LayerNorm record says what happened, and the
+    results and the report are written."""
+    code, status, words = HOSTILE[name]
+    proc = normspec(tmp_path, "run", "--backend", f"broken_backends:{name}", "--check",
+                    "F2.values", "--dtype", "float32", "--json", "r.json", "--html", "r.html",
+                    errors="backslashreplace")  # the name as printed: surrogate-escaped bytes
+    assert proc.returncode == code, proc.stderr[-2000:]
+    doc = strict(tmp_path / "r.json")
+    assert doc["records"] and {r["status"] for r in doc["records"]} == {status}
+    assert all(words in r["message"] and len(r["message"]) < 5000 for r in doc["records"])
+    assert (tmp_path / "r.html").stat().st_size > 0
+    assert normspec(tmp_path, "report", "r.json", "-o", "again.html").returncode == 0
+
+
+def test_a_report_is_never_written_over_its_own_results(tmp_path):
+    ran = normspec(tmp_path, "run", "--backend", "numpy", "--check", "E1", "--json", "r.json",
+                   "--no-html", "--quiet")
+    assert ran.returncode == 0, ran.stderr
+    before = (tmp_path / "r.json").read_bytes()
+    proc = normspec(tmp_path, "report", "r.json", "-o", "./r.json")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "r.json" in proc.stderr and (tmp_path / "r.json").read_bytes() == before
+
+
+def test_a_report_refuses_to_count_a_run_twice_or_to_add_two_backends_together(tmp_path):
+    ran = normspec(tmp_path, "run", "--backend", "numpy", "--check", "E1", "--json", "a.json",
+                   "--no-html", "--quiet", "--label", "here")
+    assert ran.returncode == 0, ran.stderr
+    twice = normspec(tmp_path, "report", "a.json", "a.json", "-o", "x.html")
+    assert twice.returncode == 2 and "count twice" in twice.stderr, twice.stderr
+    again = normspec(tmp_path, "run", "--backend", "numpy", "--check", "E1", "--json", "b.json",
+                     "--no-html", "--quiet", "--label", "here")
+    assert again.returncode == 0, again.stderr
+    assert normspec(tmp_path, "report", "a.json", "b.json", "-o", "x.html").returncode == 0
+    other = json.loads((tmp_path / "b.json").read_text(encoding="utf-8"))
+    other["backends"][0]["version"] = "9.9.9"
+    (tmp_path / "b.json").write_text(json.dumps(other), encoding="utf-8")
+    mixed = normspec(tmp_path, "report", "a.json", "b.json", "-o", "y.html")
+    assert mixed.returncode == 2 and "two backends under one name" in mixed.stderr, mixed.stderr
+    assert len(mixed.stderr.strip().splitlines()) == 1 and not (tmp_path / "y.html").exists()
+
+
+def test_records_of_a_restarted_process_stay_under_the_listed_name(tmp_path):
+    """The process started after a crash names the backend after its own pid: its records
+    are still filed under the name the results list, so the report shows them."""
+    proc = normspec(tmp_path, "run", "--backend", "nonfinite_backends:SegfaultsNamedByPid",
+                    "--check", "F2.values", "--check", "F3.values", "--dtype", "float32",
+                    "--json", "r.json", "--no-html", "--quiet")
+    assert proc.returncode == 1, proc.stderr
+    doc = strict(tmp_path / "r.json")
+    (listed,) = [b["name"] for b in doc["backends"]]
+    assert {r["backend"] for r in doc["records"]} == {listed}
+    assert any(r["check"] == "F3.values" and r["status"] == "pass" for r in doc["records"])
+
+
+def test_processes_a_backend_forks_end_with_its_worker(tmp_path):
+    """A backend that forks: the run ends when its checks do (no wait on the forked
+    process's pipes), and the forked processes are killed with the worker."""
+    orphans = tmp_path / "orphans.txt"
+    start_s = time.monotonic()
+    proc = normspec(tmp_path, "run", "--backend", "nonfinite_backends:ForksAChild", "--check",
+                    "E1", "--dtype", "float32", "--json", "r.json", "--no-html", "--quiet",
+                    extra_env={"NORMSPEC_TEST_ORPHAN_FILE": str(orphans)})
+    took = time.monotonic() - start_s
+    assert proc.returncode == 0, proc.stderr
+    assert orphans.read_text(encoding="utf-8").strip(), "the backend never forked"
+    time.sleep(4)
+    assert "still alive" not in orphans.read_text(encoding="utf-8")
+    assert took < 30
+
+
+@pytest.mark.parametrize("args,names", [(["--backend", "nosuch"], "'nosuch'"),
+                                        (["--json", "/proc/normspec/b.json"], "/proc/normspec")])
+def test_a_bad_bench_argument_is_refused_before_any_work(tmp_path, args, names):
+    proc = normspec(tmp_path, "bench", "--quick", "--backend", "numpy", *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0], proc.stderr
+    assert proc.stdout == "" and files(tmp_path) == []
+
+
+def test_a_backend_that_ran_almost_nothing_does_not_just_conform():
+    import io
+
+    from normspec.conformance import cli
+
+    def rec(status):
+        return {"backend": "b", "status": status, "check": "c", "claim": "F2", "op": "layer_norm",
+                "dtype": "float32", "case": "x", "message": ""}
+    doc = {"backends": [{"name": "b", "version": "1", "available": True}],
+           "records": [rec("pass")] * 4 + [rec("unsupported")] * 10}
+    out = io.StringIO()
+    cli.print_summary(doc, out)
+    assert "conforms (where it ran: 10 of 14 cases not run)" in out.getvalue()
+
+
+def test_a_load_error_is_filed_under_the_name_the_results_list():
+    """A backend refused at load (--record-unavailable): its error record carries the
+    name its backends entry has, not the module:factory it was asked for by."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = normspec(Path(tmp), "run", "--backend", "broken_backends:BadDeviationEntry",
+                        "--check", "E1", "--dtype", "float32", "--record-unavailable",
+                        "--json", "r.json", "--no-html", "--quiet")
+        assert proc.returncode == 1, proc.stderr
+        doc = strict(Path(tmp) / "r.json")
+    (listed,) = [b["name"] for b in doc["backends"]]
+    (record,) = doc["records"]
+    assert (record["check"], record["backend"]) == ("load", listed)

@@ -43,6 +43,8 @@ def test_layouts_hold_the_same_values_and_rebuild_from_their_code(layout, dtype)
         assert a.strides[1] == item
     elif layout == "transposed":
         assert a.strides[-2] == item
+    elif layout == "split_heads":  # no one row stride: row (i, j) is not at (i n + j) s
+        assert a.strides[-1] == item and a.strides[-3] != a.shape[-2] * a.strides[-2]
 
 
 def test_the_gaps_of_a_view_hold_nan():
@@ -88,3 +90,13 @@ def test_unwritten_gradients_of_an_empty_batch_fail_there_only():
     failing = _failing_rows(bb.EmptyBatchSkipsBackward(), "F2/F3.row_counts")
     assert failing == {("layer_norm", 0), ("rms_norm", 0)}
     assert _failing_rows(bb.EmptyBatchSkipsDbeta(), "F2/F3.row_counts") == {("layer_norm", 0)}
+
+
+@pytest.mark.parametrize("check_id", ["F2/F3.layouts", "F6.row_counts"])
+def test_one_row_stride_fails_on_split_heads_only(check_id):
+    """A kernel that walks rows at stride(-2) reads every view with one row stride right
+    (the strided ones it copies): only heads split from a fused buffer catch it."""
+    loaded = LoadedBackend("numpy", "tests", backend=bb.OneRowStride())
+    records = runner.run_check(loaded, CHECKS[check_id], "float32", seed=0, examples=1)
+    failing = {r.case for r in records if r.status != "pass"}
+    assert failing and all("split_heads" in case for case in failing), failing

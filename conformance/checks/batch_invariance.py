@@ -1,13 +1,15 @@
 """Batch invariance (B9), read as a property: LayerNorm, RMSNorm, QK-norm scores and
 eval-mode BatchNorm use no batch statistics, so a sample's output must be bit for bit the
 same alone and in any batch, at any position in it; training-mode BatchNorm must not be
-(it is the reason for the rule). And the same call twice gives the same bits.
+(it is the reason for the rule). And the same call twice gives the same bits, the
+gradients included (dL/dgamma and dL/dbeta, sums over every row, are where a backward
+that reduces with atomic adds differs from call to call).
 
 Bitwise, not within a tolerance: inference stacks need it bit for bit. A kernel that
 switches its reduction strategy with the number of rows (a split reduction for small
 batches) rounds the same row differently, which is how "temperature 0" inference
 becomes nondeterministic. The batch sizes cross typical kernel thresholds (1, 2, 3, 8,
-17, 64, 257 rows, and a row longer than 65536 in a few rows, where a kernel would split
+17, 64, 257, 1024 rows, and a row longer than 65536 in a few rows, where a kernel would split
 it); one row length for every size, so a compiling backend compiles once per size.
 
 A backend that declares `batch_invariant = False` (or `deterministic = False`) gets the
@@ -25,20 +27,27 @@ from normspec.spec import ulp_distance
 from ..assertions import Measure, error_ulps, fmt
 from ..cases import ArraySpec, RowsAt
 from ..ops import BatchNormDriver
+from ..ops._common import outputs_like
 from ..tolerances import bound
 from . import check
 
-SIZES = (1, 2, 3, 8, 17, 64, 257)
+SIZES = (1, 2, 3, 8, 17, 64, 257, 1024)
 D = 100  # not a multiple of 8, 16 or 32: every size has a tail
 LONG_D = 70_003  # > 65536, odd: the length where a kernel splits a row across programs
 LONG_SIZES = (1, 2, 3, 8)
 #: heads, tokens, head_dim of one QK sample: 7 rows to normalize, so 64 samples are 448
 #: rows (past the 257-row threshold) and the sizes stop there
 QK_SHAPES = {"q": (1, 3, 64), "k": (1, 4, 64)}
-QK_SIZES = SIZES[:-1]
+QK_SIZES = SIZES[:SIZES.index(64) + 1]
 #: run to run: batches that every backend, interpreted ones included, runs in seconds
 REPEAT = {"layer_norm": 17, "rms_norm": 17, "qk_norm_scores": 17, "batch_norm": 257}
 REPEAT_LONG = 2
+#: run to run, forward and backward: dL/dgamma and dL/dbeta sum over every row, which a
+#: kernel reducing with atomic adds (Liger PR #945, llm.c PR #445) adds in whatever order
+#: its threads finish; 257 rows: past the 256-row threshold of fast paths
+REPEAT_GRAD = 257
+#: the Result fields a forward and backward returns, in the order they are compared
+GRAD_FIELDS = ("output", "grad_input", "grad_weight", "grad_bias")
 BN_SHAPE = (4, 24)  # channels, length of one sample
 EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6, "qk_norm_scores": 1e-6, "batch_norm": 1e-5}
 STATEMENT = "a sample's output is bit for bit the same alone and in any batch, at any position (B9)"
@@ -183,18 +192,19 @@ def _invariance(ctx, op, sizes, d=D):
                  f"{', '.join(map(str, sizes_differing))}, at most {worst[3]:g} ULPs "
                  f"(representable steps)"),
             spec_says=STATEMENT, call=f"backend.{op} alone and in batches",
-            explained_by=_explained_by(ctx, "batch_invariant"))
+            explained_by=_explained_by(ctx, "batch_invariant"), measured=True)
 
 
 @check("B9.layer_norm", title="LayerNorm: a sample's output is bit for bit the same alone and "
-       "in batches of 2 to 257 rows, at any position, and for a 70003-long row", ops=("layer_norm",))
+       "in batches of 2 to 1024 rows, at any position, and for a 70003-long row",
+       ops=("layer_norm",))
 def layer_norm_invariance(ctx):
     _invariance(ctx, "layer_norm", SIZES)
     _invariance(ctx, "layer_norm", LONG_SIZES, LONG_D)
 
 
 @check("B9.rms_norm", title="RMSNorm: a sample's output is bit for bit the same alone and in "
-       "batches of 2 to 257 rows, at any position, and for a 70003-long row", ops=("rms_norm",))
+       "batches of 2 to 1024 rows, at any position, and for a 70003-long row", ops=("rms_norm",))
 def rms_norm_invariance(ctx):
     _invariance(ctx, "rms_norm", SIZES)
     _invariance(ctx, "rms_norm", LONG_SIZES, LONG_D)
@@ -207,7 +217,7 @@ def qk_invariance(ctx):
 
 
 @check("B9.batch_norm_eval", title="Eval-mode BatchNorm: a sample's output is bit for bit the "
-       "same alone and in batches of 2 to 257, at any position", ops=("batch_norm",))
+       "same alone and in batches of 2 to 1024, at any position", ops=("batch_norm",))
 def batch_norm_eval_invariance(ctx):
     _invariance(ctx, "batch_norm", SIZES, 0)
 
@@ -268,7 +278,7 @@ def _twice(ctx, op, label, d, n, at):
                        "(representable steps)"),
                   spec_says="the same call gives the same bits every time (B9)",
                   call=f"backend.{op} twice on the same input",
-                  explained_by=_explained_by(ctx, "deterministic"))
+                  explained_by=_explained_by(ctx, "deterministic"), measured=True)
 
 
 def _repeating(ctx, op, d):
@@ -293,8 +303,56 @@ def _repeating(ctx, op, d):
     return run
 
 
+def _gradients_twice(ctx, op):
+    """The same forward and backward twice: every field of the Result bit for bit, the
+    parameter gradients (sums over all the rows) above all."""
+    n, d = REPEAT_GRAD, D
+    with ctx.case(f"{op}: the same forward and backward twice, a batch of {n}, d = {d}",
+                  op=op):
+        ctx.require(op, gradient=True)
+        x, w, g = ctx.use(x=ArraySpec((n, d), ctx.seed, 0.5, 1.0),
+                          weight=ArraySpec((d,), ctx.seed + 1, 1.0, 0.5),
+                          grad=ArraySpec((n, d), ctx.seed + 2))
+        b = ctx.use(bias=ArraySpec((d,), ctx.seed + 3, 0.0, 0.5)) if op == "layer_norm" else None
+        params, args = (("weight, bias", (w, b)) if op == "layer_norm" else ("weight", (w,)))
+        expect = outputs_like(x, grads=True, param_shape=(d,), weight=True, bias=b is not None)
+        results = []
+        for name in ("first", "second"):
+            code = (f"{name} = backend.{op}(x, ({d},), {params}, {EPS[op]!r}, "
+                    "grad_output=grad)")
+            results.append(ctx.call(code, getattr(ctx.backend, op), x, (d,), *args, EPS[op], g,
+                                    outputs_like=expect))
+        differing = []
+        for field in GRAD_FIELDS:
+            a, c = getattr(results[0], field), getattr(results[1], field)
+            if a is None:
+                continue
+            count, steps, index = bit_diff(a, c, ctx.dtype)
+            _measure(ctx, f"{op}.{field}", f"{field} of the second call against the first",
+                     a, c, index, steps)
+            if count:
+                differing.append(f"{field} in {count} of {a.size} elements, by up to "
+                                 f"{steps:g} ULPs")
+                ctx.oracle(f"show(second.{field}, first.{field}.astype(np.float64), "
+                           f"name='{field}: the second call, against the first')",
+                           f"print('bit-identical:', np.array_equal(first.{field}, "
+                           f"second.{field}))")
+        if not differing:
+            ctx.say("deterministic: the same forward and backward twice gave the same bits "
+                    "in the output and every gradient"
+                    + _declared_false_note(ctx, "deterministic"))
+            return
+        ctx.holds(condition=False,
+                  got="not deterministic: the same forward and backward twice differed: "
+                      + "; ".join(differing) + " (representable steps)",
+                  spec_says="the same call gives the same bits every time (B9)",
+                  call=f"backend.{op}(..., grad_output=grad) twice on the same inputs",
+                  explained_by=_explained_by(ctx, "deterministic"), measured=True)
+
+
 @check("B9.deterministic", title="The same call twice gives the same bits (LayerNorm and "
-       "RMSNorm on 17 rows and on a 70003-long row, QK scores, BatchNorm train and eval)",
+       "RMSNorm on 17 rows and on a 70003-long row, their gradients on 257 rows, QK scores, "
+       "BatchNorm train and eval)",
        ops=("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm"))
 def deterministic(ctx):
     caps = ctx.backend.capabilities
@@ -307,3 +365,4 @@ def deterministic(ctx):
         if op in ("layer_norm", "rms_norm"):
             _twice(ctx, op, f"{op}: the same call twice, a batch of {REPEAT_LONG}, d = {LONG_D}",
                    LONG_D, REPEAT_LONG, positions(REPEAT_LONG))
+            _gradients_twice(ctx, op)

@@ -1,5 +1,6 @@
 """Gradients: every VJP a backend returns (dL/dx, dL/dgamma, dL/dbeta) against the
-oracle's closed forms (F1, F2, F3), BatchNorm with and without affine parameters."""
+oracle's closed forms (F1, F2, F3), BatchNorm with and without affine parameters,
+LayerNorm with gamma alone and beta alone, BatchNorm with 100 channels as well."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from .. import strategies as ns
 from ..cases import ArraySpec
 from ..ops import BatchNormDriver, layer_norm_case, rms_norm_case
 from . import check
+from .values import many_channels_case, one_parameter_cases
 
 
 @check("F2.grad", title="LayerNorm gradients equal the oracle's VJP", ops=("layer_norm",),
@@ -15,6 +17,7 @@ def layer_norm_grads(ctx):
     ctx.explore("drawn shapes, values and upstream gradients",
                 ns.layer_norm_cases(with_grad=True, max_size=1024),
                 lambda case: layer_norm_case(ctx, **case))
+    one_parameter_cases(ctx, grad=True)
 
 
 @check("F3.grad", title="RMSNorm gradients equal the oracle's VJP", ops=("rms_norm",),
@@ -35,6 +38,7 @@ def batch_norm_grads(ctx):
         driver.step("x", x, mode="train", grad=case["grad"])
 
     ctx.explore("drawn shapes, values and upstream gradients", ns.batch_norm_inputs(), body)
+    many_channels_case(ctx, grad=True)
     with ctx.case("affine=False: no gamma or beta, dL/dx alone"):
         driver = BatchNormDriver(ctx, 3, affine=False, compare_stats=False)
         driver.step("x", ArraySpec((4, 3, 5), ctx.seed, 1.0, 2.0), mode="train",

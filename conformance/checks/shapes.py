@@ -18,7 +18,9 @@ the backend returns gradients, so dL/dgamma and dL/dbeta are compared in every c
 - ranks 2 to 4 and multi-axis normalized shapes (backwards that assume 2-D input):
   FlagGems #5392, Liger-Kernel #1375;
 - strides and offsets: a last axis with stride 2, a slice with an offset, a transposed
-  view, a non-contiguous upstream gradient: LightLLM #1467, quack #88;
+  view, a non-contiguous upstream gradient: LightLLM #1467, quack #88; and leading axes
+  with no one row stride between them (q split from a fused qkv and transposed, as
+  Qwen3's QK-norm gets it: sgl-kernel-xpu #169/#170, vllm-xpu-kernels PR #397);
 - BatchNorm on channels-last and strided [N, C, H, W]: pytorch #62594, #107199.
 
 The row counts are kept small in d (4) so 131072 rows stay a few MB; a backend whose
@@ -42,7 +44,7 @@ HIDDEN_SIZES = {17: 3, 1536: 3, 3584: 2, 70_003: 2}  # d -> rows
 RANKS = (((6, 24), (24,)), ((2, 3, 24), (24,)), ((2, 3, 24), (3, 24)),
          ((2, 2, 3, 24), (24,)), ((2, 2, 3, 24), (3, 24)), ((2, 2, 3, 24), (2, 3, 24)))
 LAYOUT_SHAPE = (2, 5, 24)
-VIEW_LAYOUTS = ("strided", "sliced", "transposed")
+VIEW_LAYOUTS = ("strided", "sliced", "transposed", "split_heads")
 BN_C = 3
 BN_ROW_C = 2  # channels of the row-count cases: few, so 131072 samples stay fast
 BN_LAYOUT_SHAPES = {4: (4, BN_C, 5, 6), 3: (4, BN_C, 7), 2: (12, BN_C)}
@@ -150,8 +152,9 @@ def ranks(ctx):
 
 
 @check("F2/F3.layouts", title="Views: a last axis with stride 2, a slice with an offset, a "
-       "transposed view, for x, the upstream gradient and the parameters: results equal the "
-       "oracle's on the same values", ops=NORM_OPS)
+       "transposed view, heads split from a fused buffer (no one row stride), for x, the "
+       "upstream gradient and the parameters: results equal the oracle's on the same values",
+       ops=NORM_OPS)
 def layouts(ctx):
     _run(ctx, layout_cases(), _norm, _layout_label)
 
@@ -161,7 +164,7 @@ QK_KEYS = 4
 
 
 @check("F6.row_counts", title="QK-norm scores with 1 to 131072 query rows (launch thresholds), "
-       "and q, k as strided or sliced views", ops=("qk_norm_scores",))
+       "and q, k as strided, sliced or split-heads views", ops=("qk_norm_scores",))
 def qk_row_counts(ctx):
     for rows in ROW_COUNTS:
         with ctx.case(f"{rows} query rows x d = {ROW_D}, {QK_KEYS} keys"):
@@ -170,7 +173,7 @@ def qk_row_counts(ctx):
                            k=ArraySpec((1, QK_KEYS, ROW_D), ctx.seed + 1, 0.0, 1.0),
                            q_weight=ArraySpec((ROW_D,), ctx.seed + 2, 1.0, 0.5),
                            k_weight=ArraySpec((ROW_D,), ctx.seed + 3, 1.0, 0.5))
-    for layout in ("strided", "sliced"):
+    for layout in ("strided", "sliced", "split_heads"):
         with ctx.case(f"q and k {layout}, [2, 3, 5, 24]"):
             qk_scores_case(ctx, q=ArraySpec((2, 3, 5, 24), ctx.seed, 0.0, 1.0, layout),
                            k=ArraySpec((2, 3, 6, 24), ctx.seed + 1, 0.0, 1.0, layout))

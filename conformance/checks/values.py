@@ -1,6 +1,7 @@
 """Values: each op's forward output against the oracle (F1, F2, F3, F5, F6), on
 Hypothesis-drawn shapes (1-3 normalized axes, sizes that are not powers of two, d = 1)
-and values, plus fixed cases: a row longer than 65536, two normalized axes, d = 1, and
+and values, plus fixed cases: a row longer than 65536, two normalized axes, d = 1,
+LayerNorm with gamma alone and with beta alone, BatchNorm with 100 channels, and
 QK scales other than 1/sqrt(d_k) (the scale is a parameter, not something the backend may
 compute itself)."""
 
@@ -18,6 +19,25 @@ LONG_ROW = 70_003  # > 65536 and odd: exercises tails and 16-bit index overflow
 #: Scales other than 1/sqrt(d_k): none at all (a temperature folded elsewhere) and a
 #: learned temperature below it.
 QK_SCALES = (1.0, 0.1)
+#: LayerNorm with one of its two parameters: gamma alone is LayerNorm(bias=False), which
+#: many language models use; beta alone is the other half. The drawn cases pass both or
+#: neither, and a kernel that takes its affine path only when both are given (or applies
+#: beta only inside `if weight is not None`) passed them all.
+ONE_PARAMETER = (("gamma only, bias=None (LayerNorm(bias=False))", True, False),
+                 ("beta only, weight=None", False, True))
+ONE_PARAMETER_SHAPE = (6, 300)
+
+
+def one_parameter_cases(ctx, *, grad: bool) -> None:
+    """F2 with gamma alone and with beta alone, forward (and VJP with `grad`)."""
+    rows, d = ONE_PARAMETER_SHAPE
+    for name, with_weight, with_bias in ONE_PARAMETER:
+        with ctx.case(name):
+            layer_norm_case(
+                ctx, x=ArraySpec((rows, d), ctx.seed, 1.0, 2.0), normalized_shape=(d,),
+                weight=ArraySpec((d,), ctx.seed + 1, 1.0, 0.5) if with_weight else None,
+                bias=ArraySpec((d,), ctx.seed + 2, 0.0, 0.5) if with_bias else None,
+                grad=ArraySpec((rows, d), ctx.seed + 3) if grad else None)
 
 
 @check("F2.values", title="LayerNorm forward equals the oracle", ops=("layer_norm",),
@@ -38,6 +58,7 @@ def layer_norm_values(ctx):
         layer_norm_case(ctx, x=ArraySpec((4, 1), ctx.seed, 0.0, 3.0), normalized_shape=(1,),
                         weight=ArraySpec((1,), ctx.seed + 1, 1.0, 0.5),
                         bias=ArraySpec((1,), ctx.seed + 2, 0.0, 0.5))
+    one_parameter_cases(ctx, grad=False)
 
 
 @check("F3.values", title="RMSNorm forward equals the oracle", ops=("rms_norm",))
@@ -56,6 +77,24 @@ def rms_norm_values(ctx):
                       weight=ArraySpec((1,), ctx.seed + 1, 1.0, 0.5))
 
 
+#: BatchNorm with more channels than a block of 32 and not a multiple of one (nor of 8 or
+#: 64): a kernel that takes channels in blocks and forgets the last, partial block; the
+#: drawn cases have at most 16 channels
+MANY_CHANNELS_SHAPE = (3, 100, 7)
+
+
+def many_channels_case(ctx, *, grad: bool) -> None:
+    """F1 (and its VJP with `grad`) on MANY_CHANNELS_SHAPE, train mode."""
+    shape = MANY_CHANNELS_SHAPE
+    c = shape[1]
+    with ctx.case(f"{c} channels: blocks of 8, 32 or 64 channels leave a partial last one"):
+        driver = BatchNormDriver(ctx, c, weight=ArraySpec((c,), ctx.seed + 1, 1.0, 0.5),
+                                 bias=ArraySpec((c,), ctx.seed + 2, 0.0, 0.5),
+                                 compare_stats=False)
+        driver.step("x", ArraySpec(shape, ctx.seed, 1.0, 2.0), mode="train",
+                    grad=ArraySpec(shape, ctx.seed + 3, 0.0, 1.0) if grad else None)
+
+
 def _bn_train(ctx, case):
     x = case["x"]
     driver = BatchNormDriver(ctx, x.shape[1], eps=case["eps"], momentum=case["momentum"],
@@ -67,6 +106,7 @@ def _bn_train(ctx, case):
        "biased variance)", ops=("batch_norm",))
 def batch_norm_train_values(ctx):
     ctx.explore("drawn shapes and values", ns.batch_norm_inputs(), lambda case: _bn_train(ctx, case))
+    many_channels_case(ctx, grad=False)
 
 
 @check("F5.values", title="BatchNorm eval forward uses the running statistics",

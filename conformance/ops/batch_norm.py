@@ -61,12 +61,15 @@ class BatchNormDriver:
         code = (f"layer = backend.batch_norm({num_features}, eps={eps!r}, momentum={momentum!r}, "
                 f"affine={affine}, track_running_stats={track_running_stats}, "
                 f"dtype={ctx.dtype_name!r}, weight=weight, bias=bias)")
-        self.layer = ctx.call(code, lambda: ctx.backend.batch_norm(
-            num_features, eps=eps, momentum=momentum, affine=affine,
-            track_running_stats=track_running_stats, dtype=ctx.dtype, weight=self.w, bias=self.b))
+        # the oracle's gamma and beta are taken before the backend sees the arrays, which
+        # are passed as arguments so that a layer that writes into them is caught
         # an affine layer made without weight or bias starts at gamma = 1, beta = 0
         self.w64 = f64(self.w) if self.w is not None or not affine else np.ones(num_features)
         self.b64 = f64(self.b) if self.b is not None or not affine else np.zeros(num_features)
+        self.layer = ctx.call(code, lambda weight, bias: ctx.backend.batch_norm(
+            num_features, eps=eps, momentum=momentum, affine=affine,
+            track_running_stats=track_running_stats, dtype=ctx.dtype, weight=weight,
+            bias=bias), self.w, self.b, arg_names=("weight", "bias"))
         self.e = ctx.effective(eps, "eps")
         self.a = ctx.effective(momentum, "momentum")
         self.rm, self.rv = self._stats("initial")
@@ -120,6 +123,9 @@ class BatchNormDriver:
             like = {"output": (xa.shape, xa.dtype)}
             if g is not None:
                 like["grad_input"] = (xa.shape, xa.dtype)
+                if self.affine:
+                    channels = (xa.shape[1],)
+                    like["grad_weight"] = like["grad_bias"] = (channels, xa.dtype)
             res = ctx.call(code, self.layer.forward, xa, g, outputs_like=like, refusable=refusable)
             out, got_name = res.output, "result.output"
         w64, b64 = self.w64, self.b64
