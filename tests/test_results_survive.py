@@ -586,3 +586,26 @@ def test_a_load_error_is_filed_under_the_name_the_results_list():
     (listed,) = [b["name"] for b in doc["backends"]]
     (record,) = doc["records"]
     assert (record["check"], record["backend"]) == ("load", listed)
+
+
+def test_a_run_stopped_while_loading_is_the_latest_and_reports(tmp_path, monkeypatch):
+    """Stopped before any check, without --json: its results file is written under
+    results/, results/latest names it, and `normspec report` with no file reports it."""
+    from normspec.conformance import cli, runner
+
+    monkeypatch.chdir(tmp_path)
+    real_load = runner._Run.load
+
+    def load(self, names):
+        runner.request_stop("SIGINT")
+        return real_load(self, names)
+    monkeypatch.setattr(runner._Run, "load", load)
+    rc = cli.main(["run", "--backend", "numpy", "--check", "E1.worked_example", "--dtype",
+                   "float32", "--no-html", "--label", "early"])
+    assert rc == 128 + signal.SIGINT.value
+    stem = (tmp_path / "results" / "latest").read_text(encoding="utf-8").strip()
+    assert stem.endswith("-early")
+    run = results.read(tmp_path / "results" / f"{stem}.json")["runs"][0]
+    assert (run["complete"], run["stopped_by"]) == (False, "SIGINT")
+    monkeypatch.setattr(runner._Run, "load", real_load)
+    assert cli.main(["report", "-o", "r.html"]) == 0 and (tmp_path / "r.html").exists()
