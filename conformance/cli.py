@@ -285,8 +285,9 @@ def _unknown_backend(names) -> str | None:
     return None
 
 
-def _refuse(message: str) -> int:
-    print(f"normspec run: error: {message}", file=sys.stderr)
+def _refuse(message: str, command: str = "run") -> int:
+    """Bad input: one line naming it, exit code 2."""
+    print(f"normspec {command}: error: {message}", file=sys.stderr)
     return 2
 
 
@@ -498,8 +499,7 @@ def cmd_report(args) -> int:
         docs = [results.read(f) for f in files]
         results.check_mergeable(docs, [str(f) for f in files])
     except results.ResultsError as exc:
-        print(f"normspec report: error: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(str(exc), "report")
     if args.output:
         out = Path(args.output)
     elif len(files) == 1:
@@ -509,8 +509,7 @@ def cmd_report(args) -> int:
     why = _unwritable(out) or (_same_file(out, *files) and
                                "it is one of the results files the report is made from")
     if why:
-        print(f"normspec report: error: cannot write {out}: {why}", file=sys.stderr)
-        return 2
+        return _refuse(f"cannot write {out}: {why}", "report")
     path = html.write_report(docs, out)
     incomplete = sum(not r.get("complete", True) for d in docs for r in d["runs"])
     print(f"report: {path} ({len(docs)} result file(s), "
@@ -525,12 +524,10 @@ def cmd_bench(args) -> int:
 
     unknown = _unknown_backend(args.backend)
     if unknown:
-        print(f"normspec bench: error: {unknown}", file=sys.stderr)
-        return 2
+        return _refuse(unknown, "bench")
     why = _unwritable(Path(args.json))
     if why:
-        print(f"normspec bench: error: cannot write {args.json}: {why}", file=sys.stderr)
-        return 2
+        return _refuse(f"cannot write {args.json}: {why}", "bench")
     return bench.main(args)
 
 

@@ -109,7 +109,14 @@ def _describe(a) -> str:
 MAX_MESSAGE = 4000
 #: Set in a worker process, which ignores SIGINT: a KeyboardInterrupt raised in a backend
 #: call there is the backend's, a finding like any exception.
-BACKEND_INTERRUPTS_ARE_FINDINGS = [False]
+BACKEND_INTERRUPTS_ARE_FINDINGS = False
+
+
+def _users_interrupt(exc: BaseException) -> bool:
+    """Whether `exc` (a KeyboardInterrupt or SystemExit out of backend code) is the
+    user's Ctrl-C, to let through: in-process (the pytest plugin) a KeyboardInterrupt
+    may be; in a worker, which ignores SIGINT, it is the backend's own."""
+    return isinstance(exc, KeyboardInterrupt) and not BACKEND_INTERRUPTS_ARE_FINDINGS
 
 
 def exception_text(exc: BaseException, *, with_type: bool = True) -> str:
@@ -240,9 +247,7 @@ class Context:
             raise Unsupported(f"{code}: not implemented ({said})" if said else
                               f"{code}: not implemented") from exc
         except (KeyboardInterrupt, SystemExit) as exc:
-            # a worker ignores SIGINT, so there a KeyboardInterrupt is the backend's own;
-            # in-process (the pytest plugin) it may be the user's Ctrl-C
-            if isinstance(exc, KeyboardInterrupt) and not BACKEND_INTERRUPTS_ARE_FINDINGS[0]:
+            if _users_interrupt(exc):
                 raise
             raise BackendError(f"{code} raised {exception_text(exc)}") from exc
         except Exception as exc:  # noqa: BLE001 - a backend's failure is a finding
@@ -397,7 +402,7 @@ class Context:
         except BackendError as exc:
             status, message = "error", str(exc)
         except (KeyboardInterrupt, SystemExit) as exc:  # from the backend (see call)
-            if isinstance(exc, KeyboardInterrupt) and not BACKEND_INTERRUPTS_ARE_FINDINGS[0]:
+            if _users_interrupt(exc):
                 raise
             status, message = "error", exception_text(exc)
         except Exception as exc:  # noqa: BLE001 - e.g. a Hypothesis error about the backend

@@ -212,7 +212,6 @@ def _check_keys(obj, keys: dict, what: str, source: str) -> None:
             raise ResultsError(f"{source}: {what} has {k} = {obj[k]!r}, not a {t.__name__}")
 
 
-_NUMBER = (int, float)
 _MEASURE = (int, float, type(None))  # after number(): "inf"/"nan" are floats by then
 #: The JSON types of the optional fields the report reads (a value of another type is
 #: refused by name here, not met as a traceback while the report is drawn).
@@ -228,11 +227,10 @@ BACKEND_TYPES: dict[str, Any] = {k: (str, type(None)) if v is None else type(v)
 
 def _check_types(obj: dict, types: dict, what: str, source: str) -> None:
     for k, t in types.items():
+        allowed = t if isinstance(t, tuple) else (t,)
         v = obj.get(k)
-        if k in obj and (not isinstance(v, t) or isinstance(v, bool) and bool not in
-                         (t if isinstance(t, tuple) else (t,))):
-            names = " or ".join("null" if x is type(None) else x.__name__
-                                for x in (t if isinstance(t, tuple) else (t,)))
+        if k in obj and (not isinstance(v, allowed) or isinstance(v, bool) and bool not in allowed):
+            names = " or ".join("null" if x is type(None) else x.__name__ for x in allowed)
             raise ResultsError(f"{source}: {what} has {k} = {repr(v)[:80]}, not {names}")
 
 
@@ -261,7 +259,8 @@ def validate(doc, source: str = "results") -> dict:
         _check_keys(r, RECORD_KEYS, f"record {i}", source)
         if r["status"] not in STATUSES:
             raise ResultsError(f"{source}: record {i} has unknown status {r['status']!r}")
-        _check_types(decode_record(r), RECORD_TYPES, f"record {i}", source)
+        doc["records"][i] = decode_record(r)
+        _check_types(doc["records"][i], RECORD_TYPES, f"record {i}", source)
     for key in ("tolerances", "benchmarks"):
         if not isinstance(doc.setdefault(key, []), list):
             raise ResultsError(f"{source} has {key!r} that is not a list")
@@ -271,7 +270,6 @@ def validate(doc, source: str = "results") -> dict:
     for i, b in enumerate(doc["benchmarks"]):
         _check_keys(b, BENCH_KEYS, f"benchmark {i}", source)
         doc["benchmarks"][i] = _bench_defaults(b)
-    doc["records"] = [decode_record(r) for r in doc["records"]]
     return doc
 
 

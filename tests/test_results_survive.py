@@ -572,17 +572,14 @@ def test_a_backend_that_ran_almost_nothing_does_not_just_conform():
     assert "conforms (where it ran: 10 of 14 cases not run)" in out.getvalue()
 
 
-def test_a_load_error_is_filed_under_the_name_the_results_list():
+def test_a_load_error_is_filed_under_the_name_the_results_list(tmp_path):
     """A backend refused at load (--record-unavailable): its error record carries the
     name its backends entry has, not the module:factory it was asked for by."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = normspec(Path(tmp), "run", "--backend", "broken_backends:BadDeviationEntry",
-                        "--check", "E1", "--dtype", "float32", "--record-unavailable",
-                        "--json", "r.json", "--no-html", "--quiet")
-        assert proc.returncode == 1, proc.stderr
-        doc = strict(Path(tmp) / "r.json")
+    proc = normspec(tmp_path, "run", "--backend", "broken_backends:BadDeviationEntry",
+                    "--check", "E1", "--dtype", "float32", "--record-unavailable",
+                    "--json", "r.json", "--no-html", "--quiet")
+    assert proc.returncode == 1, proc.stderr
+    doc = strict(tmp_path / "r.json")
     (listed,) = [b["name"] for b in doc["backends"]]
     (record,) = doc["records"]
     assert (record["check"], record["backend"]) == ("load", listed)
