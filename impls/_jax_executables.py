@@ -43,6 +43,8 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 #: the files most recently used are kept up to this size in all (a full run of the jax
 #: backend, four dtypes, writes ~1400 files, ~20 MB)
 MAX_BYTES = 256 << 20
@@ -62,9 +64,19 @@ def default_directory() -> Path | None:
     return Path(base) / "executables"
 
 
+#: NumPy's default print options, under which stable_text writes every repr: a scalar's
+#: text depends on them (legacy="1.25" prints np.float32(1e-5) as the float 1e-5 prints,
+#: so the two keyed one executable: found by a review), and a backend may set them
+PRINT_OPTIONS = dict(precision=8, threshold=1000, edgeitems=3, linewidth=75, suppress=False,
+                     nanstr="nan", infstr="inf", sign="-", floatmode="maxprec", legacy=False,
+                     formatter=None)
+
+
 def stable_text(obj) -> str:
-    """repr(obj) without object addresses, which differ from process to process."""
-    return _ADDRESS.sub("", repr(obj))
+    """repr(obj) under PRINT_OPTIONS, without object addresses, which differ from process
+    to process."""
+    with np.printoptions(**PRINT_OPTIONS):
+        return _ADDRESS.sub("", repr(obj))
 
 
 def _cpu() -> str:

@@ -51,6 +51,13 @@ def _import():
     return flax, jax, jnp, nnx
 
 
+def _exact(v):
+    """A number as a template key: its type, its exact value and its text (repr alone
+    depends on NumPy's print options: under legacy="1.25" np.float32(1e-5) prints as the
+    float 1e-5 does)."""
+    return type(v), float(v).hex(), repr(v)
+
+
 def _np(a):
     return None if a is None else np.asarray(a).copy()
 
@@ -189,7 +196,7 @@ class FlaxBackend(Backend):
         """The Flax module for `op` over the trailing `shape` axes, gains set; and the
         names of its parameters whose gradients the protocol returns."""
         kw, n = self._axes_kwargs(shape)
-        has_w, has_b = weight is not None, bias is not None and op == "layer_norm"
+        has_w, has_b = weight is not None, bias is not None
         if op == "layer_norm":
             def make():
                 return self.nnx.LayerNorm(n, epsilon=eps, use_scale=has_w, use_bias=has_b,
@@ -198,10 +205,10 @@ class FlaxBackend(Backend):
             def make():
                 return self.nnx.RMSNorm(n, epsilon=eps, use_scale=has_w, param_dtype=dtype,
                                         rngs=self._rngs(), **kw)
-        m = self._fresh((op, np.dtype(dtype), shape, has_w, has_b, repr(eps)), make,
+        m = self._fresh((op, np.dtype(dtype), shape, has_w, has_b, _exact(eps)), make,
                         abstract=True)
         self._set(m.scale, weight, (n,))
-        if has_b:  # RMSNorm has no bias attribute at all
+        if has_b:  # (RMSNorm has no bias attribute: one given to it raises here)
             self._set(m.bias, bias, (n,))
         return m, ["scale" if has_w else None, "bias" if has_b else None]
 
@@ -265,7 +272,7 @@ class FlaxBackend(Backend):
             def make(has_w=w is not None):
                 return nnx.RMSNorm(d, epsilon=eps, use_scale=has_w, param_dtype=q.dtype,
                                    rngs=self._rngs())
-            m = self._fresh(("qk", np.dtype(q.dtype), d, w is not None, repr(eps)), make,
+            m = self._fresh(("qk", np.dtype(q.dtype), d, w is not None, _exact(eps)), make,
                             abstract=True)
             self._set(m.scale, w, (d,))
             norms.append(nnx.split(m, nnx.Param, ...))
@@ -297,8 +304,8 @@ class FlaxBackend(Backend):
                                       epsilon=eps, use_bias=affine, use_scale=affine,
                                       dtype=np.dtype(dtype), param_dtype=np.dtype(dtype),
                                       rngs=self._rngs())
-        m = self._fresh(("batch_norm", num_features, repr(momentum), repr(eps), bool(affine),
-                         np.dtype(dtype)), make)
+        m = self._fresh(("batch_norm", num_features, _exact(momentum), _exact(eps),
+                         bool(affine), np.dtype(dtype)), make)
         if affine:
             self._set(m.scale, weight, (num_features,))
             self._set(m.bias, bias, (num_features,))

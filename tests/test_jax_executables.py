@@ -194,3 +194,14 @@ def test_an_array_in_the_static_text_is_refused():
     cache = cache_module.Executables(jax, "salt", None)
     with pytest.raises(ValueError, match="pass it as an argument"):
         cache.function(cache_module.stable_text(np.arange(3.0)), lambda: (lambda x: x))
+
+
+def test_static_text_does_not_depend_on_numpy_print_options():
+    """Under legacy="1.25" NumPy prints np.float32(1e-5) as the float 1e-5 prints: a
+    GraphDef holding either keyed one executable on disk, and a process then ran the
+    other's (found by a review). stable_text writes under NumPy's default options."""
+    values = (np.float32(1e-5), 1e-5, np.arange(3.0))
+    default = [cache_module.stable_text(v) for v in values]
+    with np.printoptions(legacy="1.25", precision=3, floatmode="fixed", sign="+"):
+        assert [cache_module.stable_text(v) for v in values] == default
+    assert default[0] != default[1]
