@@ -183,15 +183,16 @@ BIAS_FALSE_ALARM = 1e-6
 BIAS_MIN_MAGNITUDE = 1.0 / 16.0
 
 
-def bias_compute_allowance(dtype, n, kappa, scale, values) -> np.ndarray:
+def bias_compute_allowance(dtype, n, kappa, scale, values, row: str = "output") -> np.ndarray:
     """Per element, in steps of `dtype` at the element: the most the compute error (the
     output bound's growth term, at the group's scale) can move the rounded result's
     expected value. It bounds E[s_i] for a correct rounding of a value computed with that
     error: a midpoint lies between the computed value and the oracle's with probability
     |difference| / step. Tiny for float16/bfloat16 computed in float32 (u_c / u_T = 2^-13
     or 2^-16); large where the compute precision is the output's (float32, float64), where
-    no bias below it can be told from the algorithm's own error."""
-    growth = bound("output", dtype, n, kappa) - TABLE["output"].base_ulps
+    no bias below it can be told from the algorithm's own error. `row`: the table row the
+    values' bound comes from ("scores" for QK-norm scores)."""
+    growth = bound(row, dtype, n, kappa) - TABLE[row].base_ulps
     return growth * ulp(scale, dtype) / ulp(values, dtype)
 
 

@@ -1187,9 +1187,42 @@ def truncate_to(a32: np.ndarray, dtype) -> np.ndarray:
     return bits.view(dtype)
 
 
+class _TruncatingBatchNorm(NumpyBatchNorm):
+    """NumpyBatchNorm computing a half-precision layer in float32, its results encoded by
+    truncation."""
+
+    def forward(self, x, grad_output=None):
+        half = self.dtype
+        if half.name not in ("float16", "bfloat16"):
+            return super().forward(x, grad_output)
+        self.dtype = np.dtype(np.float32)
+        try:
+            res = super().forward(x, grad_output)
+        finally:
+            self.dtype = half
+        return Result(*(None if a is None else truncate_to(a, half) for a in res))
+
+
 class TruncatesHalf(NumpyBackend):
     """Computes float16/bfloat16 in float32, as it should, then encodes the result by
-    truncation instead of rounding to nearest: within 1 ULP of every element."""
+    truncation instead of rounding to nearest: within 1 ULP of every element. Every op:
+    LayerNorm and RMSNorm, the fused add + norm (through them), the QK-norm scores and
+    BatchNorm."""
+
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        if not self._half(q):
+            return super().qk_norm_scores(q, k, q_weight, k_weight, eps, scale)
+        d = q.shape[-1]
+        # q_hat and k_hat rounded to nearest (numpy's), the scores truncated
+        q_hat = NumpyBackend.rms_norm(self, q, (d,), q_weight, eps).output.astype(np.float32)
+        k_hat = NumpyBackend.rms_norm(self, k, (d,), k_weight, eps).output.astype(np.float32)
+        scores = np.matmul(q_hat, np.swapaxes(k_hat, -1, -2)) * np.float32(scale)
+        return truncate_to(scores, q.dtype)
+
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        return _TruncatingBatchNorm(self, num_features, eps, momentum, affine,
+                                    track_running_stats, np.dtype(dtype), weight, bias)
 
     @staticmethod
     def _half(x):
@@ -1276,3 +1309,248 @@ class DropsResidualGradient(OracleBackend):
         if grad_outputs is not None:
             grad_outputs = (grad_outputs[0], np.zeros_like(grad_outputs[1]))
         return super().fused_add_norm(x, residual, *args, grad_outputs=grad_outputs)
+
+
+# ---------------------------------------------------------------- a review's blind spots (2)
+def _last_axes(v, axes) -> bool:
+    return tuple(axes) == tuple(range(v.ndim - len(axes), v.ndim))
+
+
+class MidSizeLoopedPath(NumpyBackend):
+    """Rows of 4096 < d <= 65536 no longer fit one block and a looped kernel (blocks of
+    1024) takes them: its LayerNorm averages the blocks' variances (a Welford merge
+    without the spread of the block means) and its RMSNorm divides by the padded
+    length. Narrower and wider rows take right paths (Llama's d = 5120 hits it)."""
+
+    LO, HI, BLOCK = 4096, 65536, 1024
+
+    def _looped(self, v, axes):
+        return _last_axes(v, axes) and len(axes) == 1 and self.LO < v.shape[-1] <= self.HI
+
+    def variance(self, v, axes, mu):
+        if not self._looped(v, axes):
+            return super().variance(v, axes, mu)
+        blocks = [v[..., i:i + self.BLOCK] for i in range(0, v.shape[-1], self.BLOCK)]
+        return sum(_mean((b - _mean(b, (-1,))) ** 2, (-1,)) for b in blocks) / \
+            v.dtype.type(len(blocks))
+
+    def mean_square(self, v, axes):
+        if not self._looped(v, axes):
+            return super().mean_square(v, axes)
+        padded = -(-v.shape[-1] // self.BLOCK) * self.BLOCK
+        return super().mean_square(v, axes) * v.dtype.type(v.shape[-1] / padded)
+
+
+class TiledParamGradDropsTail(NumpyBackend):
+    """With 128 rows or more and 64 columns or more, dL/dgamma and dL/dbeta take a tiled
+    column reduction (tiles of 32 columns, picked by M and N as pytorch's
+    GammaBetaBackward picks its kernel) whose tile loop runs N // 32 times: the last
+    N % 32 columns are left 0."""
+
+    def _drop(self, res, x, normalized_shape):
+        n = int(np.prod(normalized_shape))
+        if res.grad_weight is None or x.size // max(n, 1) < 128 or n < 64 or n % 32 == 0:
+            return res
+        out = {}
+        for k in ("grad_weight", "grad_bias"):
+            v = getattr(res, k)
+            if v is not None:
+                v = v.copy().reshape(-1)
+                v[n // 32 * 32:] = 0
+                out[k] = v.reshape(tuple(normalized_shape))
+        return res._replace(**out)
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        return self._drop(super().layer_norm(x, normalized_shape, weight, bias, eps,
+                                             grad_output), x, normalized_shape)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        return self._drop(super().rms_norm(x, normalized_shape, weight, eps, grad_output), x,
+                          normalized_shape)
+
+
+class LargeProblemOnePassVariance(NumpyBackend):
+    """Problems of 256 rows or more and 128 columns or more (every LLM prefill) take a
+    'fast' kernel whose variance is E[x^2] - E[x]^2 in one pass (onnxruntime #28463,
+    pytorch #51102); smaller ones are two-pass, so B1's small cases pass."""
+
+    def variance(self, v, axes, mu):
+        d = int(np.prod([v.shape[a] for a in axes]))
+        if not _last_axes(v, axes) or v.size // max(d, 1) < 256 or d < 128:
+            return super().variance(v, axes, mu)
+        return _mean(v * v, axes) - mu * mu
+
+
+class _QuadChannelStats(NumpyBackend):
+    """BatchNorm statistics of 4096 values per channel or more taken by a two-stage kernel
+    that loads 4 channels per vector: for C > 4 not a multiple of 4 the last C % 4
+    channels are never reduced and keep mean 0, variance 1."""
+
+    def _unreduced(self, v, stat, fill):
+        c, m = stat.shape[1], v.size // v.shape[1]  # statistics: [1, C, 1, ...]
+        if m < 4096 or c <= 4 or c % 4 == 0:
+            return stat
+        stat = stat.copy()
+        stat[:, c - c % 4:] = fill
+        return stat
+
+    def mean(self, v, axes):
+        return self._unreduced(v, super().mean(v, axes), 0.0)
+
+    def variance(self, v, axes, mu):
+        return self._unreduced(v, super().variance(v, axes, mu), 1.0)
+
+
+class LargeBatchTailChannels(NumpyBackend):
+    """BatchNorm with _QuadChannelStats' statistics: [4096, 6] normalizes channels 4 and 5
+    with mean 0 and variance 1 (LayerNorm and RMSNorm are numpy's)."""
+
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        return NumpyBatchNorm(_QuadChannelStats(), num_features, eps, momentum, affine,
+                              track_running_stats, np.dtype(dtype), weight, bias)
+
+
+class _MomentumZeroLayer(NumpyBatchNorm):
+    """`a = momentum or 1 / num_batches_tracked`: momentum 0.0 (statistics frozen) is
+    taken for None, and the running statistics become a cumulative average."""
+
+    def update_running(self, mu, sum_sq, m):
+        if not self.stats.momentum:
+            self.stats.momentum = None
+        super().update_running(mu, sum_sq, m)
+
+
+class MomentumZeroIsNone(NumpyBackend):
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        return _MomentumZeroLayer(self, num_features, eps, momentum, affine,
+                                  track_running_stats, np.dtype(dtype), weight, bias)
+
+
+def _trailing(x, normalized_shape):
+    return tuple(range(x.ndim - len(normalized_shape), x.ndim))
+
+
+def _affine(y, weight, bias, ct):
+    if weight is not None:
+        y = y * weight.astype(ct)
+    return y + bias.astype(ct) if bias is not None else y
+
+
+class FusedPaddedLanes(NumpyBackend):
+    """A fused add + norm kernel of its own that pads the row to the next power of two
+    and does not mask the padding: RMSNorm divides the sum of squares by the padded
+    width, LayerNorm's variance gains (P - d) mu^2 / d (Liger-Kernel #518, triton #9838,
+    in the fused kernel). The plain norms are numpy's."""
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        res = super().fused_add_norm(x, residual, norm, normalized_shape, weight, bias, eps,
+                                     grad_outputs)
+        ct = compute_dtype(x.dtype)
+        s, axes = res.residual.astype(ct), _trailing(x, normalized_shape)
+        d = int(np.prod(normalized_shape))
+        p = 1 << (d - 1).bit_length()
+        if p == d:
+            return res
+        if norm == "rms_norm":
+            y = s / np.sqrt(_mean(s * s, axes) * ct.type(d / p) + ct.type(eps))
+        else:
+            mu = _mean(s, axes)
+            var = _mean((s - mu) ** 2, axes) + ct.type((p - d) / d) * mu * mu
+            y = (s - mu) / np.sqrt(var + ct.type(eps))
+        return res._replace(output=_affine(y, weight, bias, ct).astype(x.dtype))
+
+
+class FusedLargeBatchMixes(NumpyBackend):
+    """Declares the 'rounded' contract (numpy's); from 256 tokens on, in float16 and
+    bfloat16, its large-batch path takes the statistics from the unrounded float32 sum
+    while it normalizes the rounded residual it wrote back (vLLM #52104, in a path chosen
+    by num_tokens >= 256 as vLLM #48271's heuristic chooses)."""
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        res = super().fused_add_norm(x, residual, norm, normalized_shape, weight, bias, eps,
+                                     grad_outputs)
+        if x.size // int(np.prod(normalized_shape)) < 256 or compute_dtype(x.dtype) == x.dtype:
+            return res
+        ct, axes = np.float32, _trailing(x, normalized_shape)
+        exact, rounded = x.astype(ct) + residual.astype(ct), res.residual.astype(ct)
+        if norm == "rms_norm":
+            y = rounded / np.sqrt(_mean(exact * exact, axes) + ct(eps))
+        else:
+            mu = _mean(exact, axes)
+            y = (rounded - mu) / np.sqrt(_mean((exact - mu) ** 2, axes) + ct(eps))
+        return res._replace(output=_affine(y, weight, bias, ct).astype(x.dtype))
+
+
+class FusedIgnoresStrides(NumpyBackend):
+    """The fused kernel takes data pointers and assumes contiguous rows (vLLM's
+    fused_add_rms_norm before it took strides): a strided or transposed x or residual is
+    read in memory order. The plain norms handle strides."""
+
+    @staticmethod
+    def _in_memory_order(a):
+        if a.flags.c_contiguous:
+            return a
+        strides = tuple(int(np.prod(a.shape[k + 1:])) * a.itemsize for k in range(a.ndim))
+        return np.lib.stride_tricks.as_strided(a, a.shape, strides).copy()
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        return super().fused_add_norm(self._in_memory_order(x), self._in_memory_order(residual),
+                                      norm, normalized_shape, weight, bias, eps, grad_outputs)
+
+
+class FusedAssumes2D(NumpyBackend):
+    """The fused kernel takes num_tokens = x.shape[0] and hidden = x.size / num_tokens
+    (FlagGems #5392, Liger-Kernel #1375, in the fused kernel): right for [tokens, d] and
+    when every axis after the first is normalized; [B, T, d] normalized over d has each
+    [T, d] slab normalized as one row, gamma tiled T times."""
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        if x.ndim - len(normalized_shape) <= 1:
+            return super().fused_add_norm(x, residual, norm, normalized_shape, weight, bias,
+                                          eps, grad_outputs)
+        slab = x.shape[1:]
+
+        def tiled(p):
+            return None if p is None else np.broadcast_to(p, slab).copy()
+        res = super().fused_add_norm(x, residual, norm, slab, tiled(weight), tiled(bias), eps,
+                                     grad_outputs)
+        lead = tuple(range(x.ndim - len(normalized_shape) - 1))
+
+        def summed(g):
+            return None if g is None else g.astype(np.float32).sum(axis=lead).astype(x.dtype)
+        return res._replace(grad_weight=summed(res.grad_weight), grad_bias=summed(res.grad_bias))
+
+
+class _SequentialBelow256(SwitchesStrategyWithBatch):
+    SMALL = 255
+
+
+class FusedSwitchesStrategy(NumpyBackend):
+    """The fused add + norm kernel picks its reduction by the number of tokens (a
+    sequential loop per row below 256 tokens, NumPy's tree from 256 on, as vLLM #48271's
+    heuristic picks a kernel): the same row rounds differently alone and in a large
+    batch. The plain norms are numpy's, batch-invariant."""
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        return NumpyBackend.fused_add_norm(_SequentialBelow256(), x, residual, norm,
+                                           normalized_shape, weight, bias, eps, grad_outputs)
+
+
+class FusedAtomicParamGradSums(NumpyBackend):
+    """The fused add + norm backward reduces dL/dgamma and dL/dbeta with atomic adds (see
+    AtomicParamGradSums): new bits at every call, in the fused op only."""
+
+    def __init__(self):
+        self._atomic = AtomicParamGradSums()
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        return NumpyBackend.fused_add_norm(self._atomic, x, residual, norm, normalized_shape,
+                                           weight, bias, eps, grad_outputs)

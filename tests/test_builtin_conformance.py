@@ -35,6 +35,18 @@ KNOWN_FINDINGS = {
         "dL/dgamma from the same half-precision statistics: 2 ULPs, bound 1.01",
     ("torch", "F2/F3.hidden_sizes", "bfloat16", "layer_norm.grad_weight"):
         "the same in bfloat16: 2 ULPs, bound 1",
+    ("torch", "F2/F3.hidden_sizes", "float16", "layer_norm.grad_input"):
+        "the same half-precision statistics on 300 rows of mean 1000 (d = 160): dL/dx 21 "
+        "ULPs off at scale, bound 3.02",
+    ("torch", "F2/F3.hidden_sizes", "bfloat16", "layer_norm.grad_input"):
+        "the same in bfloat16: 2.69 ULPs, bound 1.22",
+    ("torch", "F2/F3.hidden_sizes", "bfloat16", "layer_norm.grad_bias"):
+        "dL/dbeta, a sum of g that needs no statistics, over 300 rows of d = 100: 2 where "
+        "the sum is 3.0643 (3.0625 rounded once; torch's own g.sum(0) gives 3.0625): 1.06 "
+        "ULPs at scale, bound 1",
+    ("torch", "F8.fused_add_layer_norm", "bfloat16", "fused_add_norm.grad_weight"):
+        "the composition's dL/dgamma on x (2, 3, 24) of mean 200: -0.0625 where the spec "
+        "says -0.2539, 12 ULPs at scale, bound 1.1",
     ("torch", "F1/F5.row_counts", "float32", "batch_norm.running_var"):
         "BatchNorm1d on [131072, 2]: running_var 122 ULPs off at scale (bound 37; "
         "torch.var_mean on the same data is within 1 ULP)",
@@ -105,7 +117,9 @@ def test_torch_refuses_eps_zero_in_batchnorm_training(results_by_backend):
 
 def test_flax_biased_running_variance_is_a_deviation_never_a_pass(results_by_backend):
     records = results_by_backend("jax", ["F4.running_stats", "F4.declared_estimator"])
-    stats = [r for r in records if r["check"] == "F4.running_stats"]
+    # (momentum 0 keeps the statistics as they are: no estimator shows, and those pass)
+    stats = [r for r in records if r["check"] == "F4.running_stats"
+             and "momentum 0.0" not in r["case"]]
     assert {"deviation"} == {r["status"] for r in stats}
     assert all("biased" in r["reason"] for r in stats)
     # Flax declares the biased estimator, and that declaration is true

@@ -19,8 +19,16 @@ def statuses(backend, check_id, dtype="float32", deviations=()):
     return runner.run_check(loaded, CHECKS[check_id], dtype, seed=0, examples=3, timeout=60)
 
 
+def blended(recs):
+    """The records of F4.running_stats whose momentum blends in the batch: with momentum
+    0 the statistics stay as they are, so no estimator shows (those cases pass)."""
+    frozen = [r for r in recs if "momentum 0.0" in r.case]
+    assert frozen and {r.status for r in frozen} == {"pass"}
+    return [r for r in recs if r not in frozen]
+
+
 def test_a_declared_biased_estimator_is_a_deviation_where_it_explains_the_record():
-    recs = statuses(bb.BiasedDeclared(), "F4.running_stats")
+    recs = blended(statuses(bb.BiasedDeclared(), "F4.running_stats"))
     assert {r.status for r in recs} == {"deviation"}
     assert all("running_var_estimator = 'biased'" in r.reason and "ONNX Runtime" in r.reason
                for r in recs)
@@ -33,7 +41,8 @@ def test_a_declared_biased_estimator_is_a_deviation_where_it_explains_the_record
 
 
 def test_the_same_defect_undeclared_fails():
-    assert {r.status for r in statuses(bb.BiasedRunningVar(), "F4.running_stats")} == {"fail"}
+    assert {r.status for r in blended(statuses(bb.BiasedRunningVar(), "F4.running_stats"))} \
+        == {"fail"}
 
 
 def test_a_declaration_does_not_excuse_another_bug():
@@ -71,23 +80,23 @@ def test_parameter_precision_declared_evaluates_the_oracle_there_and_says_so():
 
 def test_deviation_entries_match_stable_quantity_ids():
     entry = {"quantity": "batch_norm.running_var", "reason": "stores the biased variance"}
-    recs = statuses(bb.BiasedRunningVar(), "F4.running_stats", deviations=[entry])
+    recs = blended(statuses(bb.BiasedRunningVar(), "F4.running_stats", deviations=[entry]))
     assert {r.status for r in recs} == {"deviation"}
     prefix = {"quantity": "batch_norm", "reason": "anything BatchNorm"}
-    assert {r.status for r in statuses(bb.BiasedRunningVar(), "F4.running_stats",
-                                       deviations=[prefix])} == {"deviation"}
+    assert {r.status for r in blended(statuses(bb.BiasedRunningVar(), "F4.running_stats",
+                                               deviations=[prefix]))} == {"deviation"}
     # a prefix is dotted: "batch_norm.run" is not a prefix of "batch_norm.running_var"
     partial = {"quantity": "batch_norm.run", "reason": "no"}
-    assert {r.status for r in statuses(bb.BiasedRunningVar(), "F4.running_stats",
-                                       deviations=[partial])} == {"fail"}
+    assert {r.status for r in blended(statuses(bb.BiasedRunningVar(), "F4.running_stats",
+                                               deviations=[partial]))} == {"fail"}
     # except_check leaves a check out, by id, id prefix or claim
     for excepted in ("F4.running_stats", "F4"):
         narrowed = dict(prefix, except_check=excepted)
-        assert {r.status for r in statuses(bb.BiasedRunningVar(), "F4.running_stats",
-                                           deviations=[narrowed])} == {"fail"}
+        assert {r.status for r in blended(statuses(bb.BiasedRunningVar(), "F4.running_stats",
+                                                   deviations=[narrowed]))} == {"fail"}
     elsewhere = dict(prefix, except_check="F1/F2.constant_near_max")
-    assert {r.status for r in statuses(bb.BiasedRunningVar(), "F4.running_stats",
-                                       deviations=[elsewhere])} == {"deviation"}
+    assert {r.status for r in blended(statuses(bb.BiasedRunningVar(), "F4.running_stats",
+                                               deviations=[elsewhere]))} == {"deviation"}
 
 
 class Documented(NumpyBackend):

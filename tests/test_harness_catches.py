@@ -68,10 +68,14 @@ CATCHES = {
     "B9.rms_norm": (bb.CarriesCompensation, "float32"),
     "B9.qk_norm_scores": (bb.CarriesCompensation, "float32"),
     "B9.batch_norm_eval": (bb.SwitchesStrategyWithBatch, "float32"),
+    "B9.fused_add_norm": (bb.FusedSwitchesStrategy, "float32"),
     "B9.batch_norm_train": (bb.TrainUsesRunningStats, "float32"),
     "B9.deterministic": (bb.RandomOrderSums, "float32"),
     "F2.rounding_bias": (bb.TruncatesHalf, "float16"),
     "F3.rounding_bias": (bb.TruncatesHalf, "bfloat16"),
+    "F1.rounding_bias": (bb.TruncatesHalf, "bfloat16"),
+    "F6.rounding_bias": (bb.TruncatesHalf, "float16"),
+    "F8.rounding_bias": (bb.TruncatesHalf, "float16"),
     "F2/F3.row_counts": (bb.GridStopsAt65535, "float32"),
     "F2/F3.hidden_sizes": (bb.PaddedLanes, "float32"),
     "F2/F3.ranks": (bb.Assumes2D, "float32"),
@@ -160,6 +164,29 @@ DEFECTS = {
         bb.ZeroesParams, "F1.values", "float32"),
     "BatchNorm gradients of gamma and beta as Python lists": (bb.ListGrads, "F1.grad",
                                                                "bfloat16"),
+    # a second review's blind spots: each slipped through every check before
+    "rows of 4096 < d <= 65536 walked in blocks, their variances averaged": (
+        bb.MidSizeLoopedPath, "F2/F3.hidden_sizes", "float32"),
+    "dL/dgamma tiles of 32 columns from 128 rows on, the last partial tile unwritten": (
+        bb.TiledParamGradDropsTail, "F2/F3.hidden_sizes", "float32"),
+    "a one-pass variance for problems of 256 x 128 and more": (
+        bb.LargeProblemOnePassVariance, "F2/F3.hidden_sizes", "float32"),
+    "BatchNorm statistics of 4096+ samples in vectors of 4 channels, the partial one skipped": (
+        bb.LargeBatchTailChannels, "F1/F5.row_counts", "float32"),
+    "BatchNorm momentum 0.0 taken for None (a cumulative average)": (
+        bb.MomentumZeroIsNone, "F4.running_stats", "float32"),
+    "fused add + RMSNorm over a row padded to a power of two": (
+        bb.FusedPaddedLanes, "F8.fused_add_rms_norm", "float32"),
+    "fused add + LayerNorm over a row padded to a power of two": (
+        bb.FusedPaddedLanes, "F8.fused_add_layer_norm", "float32"),
+    "fused add + LayerNorm mixing the contracts from 256 tokens on": (
+        bb.FusedLargeBatchMixes, "F8.fused_add_layer_norm", "bfloat16"),
+    "fused add + norm reading views in memory order": (
+        bb.FusedIgnoresStrides, "F8.fused_add_rms_norm", "float32"),
+    "fused add + norm taking x.shape[0] for the token count": (
+        bb.FusedAssumes2D, "F8.fused_add_layer_norm", "float32"),
+    "fused add + norm dL/dgamma reduced with atomic adds": (
+        bb.FusedAtomicParamGradSums, "B9.deterministic", "float32"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}

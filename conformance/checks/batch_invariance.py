@@ -48,6 +48,9 @@ REPEAT_LONG = 2
 REPEAT_GRAD = 257
 #: the Result fields a forward and backward returns, in the order they are compared
 GRAD_FIELDS = ("output", "grad_input", "grad_weight", "grad_bias")
+#: the same of a fused residual add + norm
+FUSED_GRAD_FIELDS = ("output", "residual", "grad_input", "grad_residual", "grad_weight",
+                     "grad_bias")
 BN_SHAPE = (4, 24)  # channels, length of one sample
 EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6, "qk_norm_scores": 1e-6, "batch_norm": 1e-5}
 STATEMENT = "a sample's output is bit for bit the same alone and in any batch, at any position (B9)"
@@ -140,8 +143,22 @@ def _op_runner(ctx, op, d):
                             outputs_like={"output": (shape, q.dtype)})
         return run
     w = ctx.use(weight=ArraySpec((d,), ctx.seed + 1, 1.0, 0.5))
-    b = ctx.use(bias=ArraySpec((d,), ctx.seed + 2, 0.0, 0.5)) if op == "layer_norm" else None
-    params = "weight, bias" if op == "layer_norm" else "weight"
+    b = ctx.use(bias=ArraySpec((d,), ctx.seed + 2, 0.0, 0.5)) if op != "rms_norm" else None
+    params = "weight, bias" if op != "rms_norm" else "weight"
+    if op == "fused_add_norm":
+        eps = EPS["layer_norm"]
+
+        def run(name, n, at):
+            # both outputs (the normalized sum and the residual written back), stacked
+            x, r = ctx.use(**{f"x_{name}": _recipe(ctx, (d,), n, at, 0),
+                              f"residual_{name}": _recipe(ctx, (d,), n, at, 1)})
+            code = (f"{name}_out = np.stack(backend.fused_add_norm(x_{name}, residual_{name}, "
+                    f"'layer_norm', ({d},), weight, bias, {eps!r})[:2], axis=1)")
+            res = ctx.call(code, ctx.backend.fused_add_norm, x, r, "layer_norm", (d,), w, b,
+                           eps, outputs_like={"output": (x.shape, x.dtype),
+                                              "residual": (x.shape, x.dtype)})
+            return np.stack([res.output, res.residual], axis=1)
+        return run
 
     def run(name, n, at):
         x = ctx.use(**{name: _recipe(ctx, (d,), n, at)})
@@ -208,6 +225,13 @@ def layer_norm_invariance(ctx):
 def rms_norm_invariance(ctx):
     _invariance(ctx, "rms_norm", SIZES)
     _invariance(ctx, "rms_norm", LONG_SIZES, LONG_D)
+
+
+@check("B9.fused_add_norm", title="Fused residual add + LayerNorm: a sample's output and "
+       "residual are bit for bit the same alone and in batches of 2 to 1024 rows, at any "
+       "position", ops=("fused_add_norm",))
+def fused_invariance(ctx):
+    _invariance(ctx, "fused_add_norm", SIZES)
 
 
 @check("B9.qk_norm_scores", title="QK-norm scores: a sample's scores are bit for bit the same "
@@ -303,6 +327,35 @@ def _repeating(ctx, op, d):
     return run
 
 
+def _backward_caller(ctx, op, n, d):
+    """(call(name) -> the Result of op's forward and backward on fixed inputs, its fields
+    to compare); the repro names the result `name`."""
+    x, w, g = ctx.use(x=ArraySpec((n, d), ctx.seed, 0.5, 1.0),
+                      weight=ArraySpec((d,), ctx.seed + 1, 1.0, 0.5),
+                      grad=ArraySpec((n, d), ctx.seed + 2))
+    b = ctx.use(bias=ArraySpec((d,), ctx.seed + 3, 0.0, 0.5)) if op != "rms_norm" else None
+    expect = outputs_like(x, grads=True, param_shape=(d,), weight=True, bias=b is not None)
+    if op == "fused_add_norm":
+        r, gr = ctx.use(residual=ArraySpec((n, d), ctx.seed + 4, 3.0, 2.0),
+                        grad_residual=ArraySpec((n, d), ctx.seed + 5))
+        eps = EPS["layer_norm"]
+        expect.update(residual=(x.shape, x.dtype), grad_residual=(x.shape, x.dtype))
+
+        def call(name):
+            code = (f"{name} = backend.fused_add_norm(x, residual, 'layer_norm', ({d},), "
+                    f"weight, bias, {eps!r}, grad_outputs=(grad, grad_residual))")
+            return ctx.call(code, ctx.backend.fused_add_norm, x, r, "layer_norm", (d,), w, b,
+                            eps, (g, gr), outputs_like=expect)
+        return call, FUSED_GRAD_FIELDS
+    params, args = (("weight, bias", (w, b)) if op == "layer_norm" else ("weight", (w,)))
+
+    def call(name):
+        code = f"{name} = backend.{op}(x, ({d},), {params}, {EPS[op]!r}, grad_output=grad)"
+        return ctx.call(code, getattr(ctx.backend, op), x, (d,), *args, EPS[op], g,
+                        outputs_like=expect)
+    return call, GRAD_FIELDS
+
+
 def _gradients_twice(ctx, op):
     """The same forward and backward twice: every field of the Result bit for bit, the
     parameter gradients (sums over all the rows) above all."""
@@ -310,20 +363,10 @@ def _gradients_twice(ctx, op):
     with ctx.case(f"{op}: the same forward and backward twice, a batch of {n}, d = {d}",
                   op=op):
         ctx.require(op, gradient=True)
-        x, w, g = ctx.use(x=ArraySpec((n, d), ctx.seed, 0.5, 1.0),
-                          weight=ArraySpec((d,), ctx.seed + 1, 1.0, 0.5),
-                          grad=ArraySpec((n, d), ctx.seed + 2))
-        b = ctx.use(bias=ArraySpec((d,), ctx.seed + 3, 0.0, 0.5)) if op == "layer_norm" else None
-        params, args = (("weight, bias", (w, b)) if op == "layer_norm" else ("weight", (w,)))
-        expect = outputs_like(x, grads=True, param_shape=(d,), weight=True, bias=b is not None)
-        results = []
-        for name in ("first", "second"):
-            code = (f"{name} = backend.{op}(x, ({d},), {params}, {EPS[op]!r}, "
-                    "grad_output=grad)")
-            results.append(ctx.call(code, getattr(ctx.backend, op), x, (d,), *args, EPS[op], g,
-                                    outputs_like=expect))
+        call, fields = _backward_caller(ctx, op, n, d)
+        results = [call(name) for name in ("first", "second")]
         differing = []
-        for field in GRAD_FIELDS:
+        for field in fields:
             a, c = getattr(results[0], field), getattr(results[1], field)
             if a is None:
                 continue
@@ -351,9 +394,9 @@ def _gradients_twice(ctx, op):
 
 
 @check("B9.deterministic", title="The same call twice gives the same bits (LayerNorm and "
-       "RMSNorm on 17 rows and on a 70003-long row, their gradients on 257 rows, QK scores, "
-       "BatchNorm train and eval)",
-       ops=("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm"))
+       "RMSNorm on 17 rows and on a 70003-long row, their gradients and the fused residual "
+       "add + LayerNorm's on 257 rows, QK scores, BatchNorm train and eval)",
+       ops=("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm", "fused_add_norm"))
 def deterministic(ctx):
     caps = ctx.backend.capabilities
     for op, n in REPEAT.items():
@@ -366,3 +409,5 @@ def deterministic(ctx):
             _twice(ctx, op, f"{op}: the same call twice, a batch of {REPEAT_LONG}, d = {LONG_D}",
                    LONG_D, REPEAT_LONG, positions(REPEAT_LONG))
             _gradients_twice(ctx, op)
+    if "fused_add_norm" in caps.ops:
+        _gradients_twice(ctx, "fused_add_norm")

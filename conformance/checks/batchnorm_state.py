@@ -43,9 +43,12 @@ def e3(ctx):
 
 
 @check("F4.running_stats", title="Running statistics: unbiased variance (m - 1), momentum "
-       "weights the new batch, updated at every training forward", ops=("batch_norm",))
+       "weights the new batch (0: the statistics stay as they are), updated at every "
+       "training forward", ops=("batch_norm",))
 def running_stats(ctx):
-    for momentum in (0.1, 0.3):
+    # momentum 0.0 is a number, not None: `momentum or 1 / t` takes it for a cumulative
+    # average
+    for momentum in (0.0, 0.1, 0.3):
         for shape in ((3, 4), (2, 3, 2)):
             with ctx.case(f"3 steps, momentum {momentum}, x {shape}"):
                 driver = BatchNormDriver(ctx, shape[1], momentum=momentum,

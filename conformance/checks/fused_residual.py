@@ -27,17 +27,37 @@ RMS_SPREAD, RMS_UPDATE = 8.0, 0.3
 
 
 def _case(ctx, name, *, norm, shape, normalized_shape, seed, weight, bias, eps, gradient,
-          mean, spread, update):
+          mean, spread, update, layouts=("contiguous", "contiguous")):
     with ctx.case(name, op="fused_add_norm"):
         ctx.require("fused_add_norm", gradient=gradient)
         p = tuple(normalized_shape)
         fused_add_norm_case(
             ctx, norm=norm, normalized_shape=p, eps=eps,
-            x=ArraySpec(shape, seed, 0.0, update), residual=ArraySpec(shape, seed + 1, mean, spread),
+            x=ArraySpec(shape, seed, 0.0, update, layouts[0]),
+            residual=ArraySpec(shape, seed + 1, mean, spread, layouts[1]),
             weight=ArraySpec(p, seed + 2, 1.0, 0.3) if weight else None,
             bias=ArraySpec(p, seed + 3, 0.0, 0.3) if bias else None,
             grad_output=ArraySpec(shape, seed + 4) if gradient else None,
             grad_residual=ArraySpec(shape, seed + 5) if gradient else None)
+
+
+def _shape_cases(rows, seed, **extra):
+    """Where fused kernels break as the plain ones do (shapes.py): a width that is not a
+    power of two over 300 rows (padded lanes; the 256-row thresholds where a kernel
+    switches path), a 3-D input normalized over its last axis alone (a kernel that takes
+    shape[0] for the row count), and x and the residual as views (a transposed x, a
+    residual of stride 2: a kernel that ignores strides). All gradients in each."""
+    common = dict(rows, weight=True, eps=1e-5, gradient=True, **extra)
+    return [
+        ("300 rows of d = 24: both outputs and all gradients",
+         dict(common, shape=(300, 24), normalized_shape=(24,), seed=seed)),
+        ("x (2, 3, 24) normalized over its last axis: both outputs and all gradients",
+         dict(common, shape=(2, 3, 24), normalized_shape=(24,), seed=seed + 1)),
+        ("x transposed and the residual strided in memory, (2, 5, 24): both outputs and "
+         "all gradients",
+         dict(common, shape=(2, 5, 24), normalized_shape=(24,), seed=seed + 2,
+              layouts=("transposed", "strided"))),
+    ]
 
 
 def layer_norm_cases(seed):
@@ -54,6 +74,7 @@ def layer_norm_cases(seed):
         ("no gamma, no beta: both outputs",
          dict(rows, shape=(4, 16), normalized_shape=(16,), seed=seed + 20, weight=False,
               bias=False, eps=1e-5, gradient=False)),
+        *_shape_cases(rows, seed + 30, bias=True),
     ]
 
 
@@ -71,6 +92,7 @@ def rms_norm_cases(seed):
         ("no gamma: both outputs",
          dict(rows, shape=(4, 64), normalized_shape=(64,), seed=seed + 20, weight=False,
               eps=1e-6, gradient=False)),
+        *_shape_cases(rows, seed + 30),
     ]
 
 

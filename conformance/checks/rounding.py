@@ -1,7 +1,10 @@
-"""Rounding bias (F2, F3): the outputs are the oracle's rounded to the nearest value of
-the dtype, so their errors have either sign and average out. A backend that truncates
-(rounds toward zero) stays within 1 ULP of every element and passes every per-element
-bound while moving every activation toward zero; its mean signed error is ~ -1/2 ULP.
+"""Rounding bias (F2, F3; and F1 BatchNorm, F6 QK-norm scores, F8 fused add + norm): the
+outputs are the oracle's rounded to the nearest value of the dtype, so their errors have
+either sign and average out. A backend that truncates (rounds toward zero) stays within
+1 ULP of every element and passes every per-element bound while moving every activation
+toward zero; its mean signed error is ~ -1/2 ULP. Every op that writes a normalized
+activation is judged: a kernel's encoder is its own (a review found truncating QK-score,
+BatchNorm and fused encoders that every other check passed).
 
 Judged where the compute precision is much finer than the output's (float16 and bfloat16
 computed in float32): there the compute error is negligible against an output ULP and a
@@ -18,7 +21,10 @@ import numpy as np
 from normspec.impls.protocol import compute_dtype
 
 from ..cases import ArraySpec
-from ..ops._common import f64
+from ..ops import BatchNormDriver
+from ..ops._common import Judged, f64
+from ..ops.fused import fused_add_norm_case
+from ..ops.qk import qk_scores_case
 from ..tolerances import (
     BIAS_FALSE_ALARM,
     BIAS_MIN_MAGNITUDE,
@@ -26,6 +32,7 @@ from ..tolerances import (
     bound,
     centred_output_scale,
     centring_kappa,
+    qk_scores_scale,
     rms_output_scale,
     rounding_bias_bound,
 )
@@ -33,6 +40,10 @@ from . import check
 
 SHAPE = (48, 100)  # 4800 elements, about 4400 of them above BIAS_MIN_MAGNITUDE of scale
 EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
+#: BatchNorm: 100 samples of 48 channels (4800 elements)
+BN_SHAPE = (100, 48)
+#: QK-norm: 4 heads of 32 queries and 32 keys of 64: 4096 scores
+QK_SHAPE = (4, 32, 64)
 
 
 def signed_steps(got, expected, dtype) -> np.ndarray:
@@ -43,7 +54,11 @@ def signed_steps(got, expected, dtype) -> np.ndarray:
     return np.sign(ref) * np.sign(g - ref) * spec.ulp_distance(g, ref, dtype)
 
 
-def _judge(ctx, *, op, got, expected, scale, n, kappa, code):
+def _judge(ctx, judged: Judged, *, code, row="output", got_name="result.output"):
+    """The mean signed error of judged.got against the oracle, judged where the compute
+    precision is finer than the output's; `row`: the tolerance row of the values,
+    `got_name` their name in the repro."""
+    got, expected, scale, n, kappa = judged
     ref = spec.round_to(expected, ctx.dtype).astype(np.float64)
     keep = np.isfinite(ref) & np.isfinite(np.asarray(got, np.float64)) & \
         (np.abs(ref) >= BIAS_MIN_MAGNITUDE * np.broadcast_to(scale, ref.shape))
@@ -53,14 +68,14 @@ def _judge(ctx, *, op, got, expected, scale, n, kappa, code):
     mean = float(steps.mean()) if count else 0.0
     raw_mean = float(raw.mean()) if count else 0.0
     allowance = bias_compute_allowance(ctx.dtype, n, np.broadcast_to(kappa, ref.shape),
-                                       np.broadcast_to(scale, ref.shape), ref)[keep]
+                                       np.broadcast_to(scale, ref.shape), ref, row)[keep]
     limit = rounding_bias_bound(count, float(allowance.mean()) if count else 0.0)
     toward, away = float(np.mean(steps < 0)), float(np.mean(steps > 0))
     measured = (f"mean signed error {mean:+.3f} ULPs (away from zero, in steps at the element, "
                 f"each clipped to +-1; {raw_mean:+.3f} unclipped) over {count} elements of at "
                 f"least {BIAS_MIN_MAGNITUDE:g} of their row's scale; {toward:.1%} below the "
                 f"oracle's rounding toward zero, {away:.1%} away")
-    ctx.oracle("steps = signed_steps(result.output, expected, result.output.dtype)",
+    ctx.oracle(f"steps = signed_steps({got_name}, expected, {got_name}.dtype)",
                "print('mean signed error (ULPs, away from zero):', steps.mean())")
     if compute_dtype(ctx.dtype) == ctx.dtype:
         ctx.say(f"{measured}: reported, not judged ({ctx.dtype.name} is computed in "
@@ -104,8 +119,7 @@ def _case(ctx, op):
         ctx.conforms(expected=expected, actual=res.output, scale=scale,
                      bound=bound("output", ctx.dtype, d, kappa), quantity=f"{op}.output",
                      call=code)
-        _judge(ctx, op=op, got=res.output, expected=expected, scale=scale, n=d, kappa=kappa,
-               code=code)
+        _judge(ctx, Judged(res.output, expected, scale, d, kappa), code=code)
 
 
 @check("F2.rounding_bias", title="LayerNorm outputs are rounded to nearest: no systematic "
@@ -118,3 +132,62 @@ def layer_norm_bias(ctx):
        "bias toward (or away from) zero in float16/bfloat16", ops=("rms_norm",))
 def rms_norm_bias(ctx):
     _case(ctx, "rms_norm")
+
+
+@check("F1.rounding_bias", title="BatchNorm outputs are rounded to nearest: no systematic "
+       "bias toward (or away from) zero in float16/bfloat16", ops=("batch_norm",))
+def batch_norm_bias(ctx):
+    c = BN_SHAPE[1]
+    with ctx.case(f"{BN_SHAPE[0]} samples of {c} channels, affine, training forward (batch "
+                  f"statistics, none kept), rounded to {ctx.dtype_name}"):
+        ctx.require("batch_norm")
+        # untracked: the running statistics are F4's, and a declared estimator must not
+        # turn this case into a deviation before its output is judged
+        driver = BatchNormDriver(ctx, c, momentum=0.1, track_running_stats=False,
+                                 weight=ArraySpec((c,), ctx.seed + 1, 1.0, 0.5),
+                                 bias=ArraySpec((c,), ctx.seed + 2, 0.0, 0.5))
+        driver.step("x", ArraySpec(BN_SHAPE, ctx.seed, 0.3, 1.5), mode="train")
+        ctx.oracle("from normspec.conformance.checks.rounding import signed_steps")
+        _judge(ctx, driver.judged, code="result = layer.forward(x)")
+
+
+@check("F6.rounding_bias", title="QK-norm scores are rounded to nearest: no systematic "
+       "bias toward (or away from) zero in float16/bfloat16", ops=("qk_norm_scores",))
+def qk_scores_bias(ctx):
+    d = QK_SHAPE[-1]
+    with ctx.case(f"{QK_SHAPE[0]} heads, {QK_SHAPE[1]} queries and keys of {d}, gains, "
+                  f"rounded to {ctx.dtype_name}"):
+        ctx.require("qk_norm_scores")
+        recipes = dict(q=ArraySpec(QK_SHAPE, ctx.seed, 0.3, 1.5),
+                       k=ArraySpec(QK_SHAPE, ctx.seed + 1, -0.2, 1.2),
+                       q_weight=ArraySpec((d,), ctx.seed + 2, 1.0, 0.3),
+                       k_weight=ArraySpec((d,), ctx.seed + 3, 1.0, 0.3))
+        eps, s = 1e-6, float(1.0 / np.sqrt(d))
+        got, expected = qk_scores_case(ctx, eps=eps, scale=s, **recipes)
+        q64, k64, qw, kw = (f64(r.build(ctx.dtype)) for r in recipes.values())
+        e = ctx.effective(eps, "eps")
+        scale = qk_scores_scale(spec.rms_norm(q64, (d,), qw, e), spec.rms_norm(k64, (d,), kw, e),
+                                s)
+        ctx.oracle("from normspec.conformance.checks.rounding import signed_steps")
+        _judge(ctx, Judged(got, expected, scale, d, 1.0), row="scores", got_name="scores",
+               code=f"scores = backend.qk_norm_scores(q, k, q_weight, k_weight, {eps!r}, {s!r})")
+
+
+@check("F8.rounding_bias", title="Fused residual add + norm outputs are rounded to nearest: "
+       "no systematic bias toward (or away from) zero in float16/bfloat16",
+       ops=("fused_add_norm",))
+def fused_bias(ctx):
+    d = SHAPE[-1]
+    for norm in ("layer_norm", "rms_norm"):
+        with ctx.case(f"{norm}: {SHAPE[0]} x {d} elements, gamma, rounded to {ctx.dtype_name}",
+                      op="fused_add_norm"):
+            ctx.require("fused_add_norm")
+            judged = fused_add_norm_case(
+                ctx, norm=norm, normalized_shape=(d,), eps=EPS[norm],
+                x=ArraySpec(SHAPE, ctx.seed, 0.0, 0.5), residual=ArraySpec(SHAPE, ctx.seed + 1,
+                                                                          0.3, 1.5),
+                weight=ArraySpec((d,), ctx.seed + 2, 1.0, 0.5),
+                bias=ArraySpec((d,), ctx.seed + 3, 0.0, 0.5) if norm == "layer_norm" else None)
+            ctx.oracle("from normspec.conformance.checks.rounding import signed_steps")
+            _judge(ctx, judged, code=f"result = backend.fused_add_norm(x, residual, {norm!r}, "
+                                     f"({d},), weight, bias, {EPS[norm]!r})")

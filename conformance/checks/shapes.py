@@ -13,8 +13,11 @@ the backend returns gradients, so dL/dgamma and dL/dbeta are compared in every c
   RMSNorm, no rows at all, an empty batch, where a launch of zero blocks fails (pytorch
   PR #28614, PR #80893, intel/torch-xpu-ops PR #4378) or, skipped, leaves dL/dgamma (and
   dL/dbeta) unwritten: the spec's sums of no terms are 0;
-- hidden sizes that are not powers of two (padded lanes) and longer than one block:
-  Liger-Kernel #518, triton #9838;
+- hidden sizes that are not powers of two (padded lanes), between 4096 and 65536 (a
+  row walked in several blocks) and longer than one block: Liger-Kernel #518, triton
+  #9838; and 300-row problems, past the row counts where kernels switch to a tiled
+  dL/dgamma reduction or a one-pass variance for "large" inputs (one of them with a mean
+  of 1000, which a one-pass variance cannot survive);
 - ranks 2 to 4 and multi-axis normalized shapes (backwards that assume 2-D input):
   FlagGems #5392, Liger-Kernel #1375;
 - strides and offsets: a last axis with stride 2, a slice with an offset, a transposed
@@ -39,7 +42,13 @@ ROW_COUNTS = (1, 2, 255, 256, 257, 300, 4096, 65535, 65536, 65537, 131072)
 #: LayerNorm and RMSNorm also take an empty batch (see the module doc)
 NORM_ROW_COUNTS = (0,) + ROW_COUNTS
 ROW_D = 4  # small: 131072 x 4 float64 is 4 MB, and the matrix stays fast
-HIDDEN_SIZES = {17: 3, 1536: 3, 3584: 2, 70_003: 2}  # d -> rows
+#: (d, rows, mean of x): hidden sizes that are not powers of two, one between 4096 and
+#: 65536 (where a kernel walks a row in several blocks), one longer than 65536; and two
+#: problems of 300 rows (past the 256-row thresholds where kernels switch to a tiled or
+#: one-pass path: dL/dgamma tiles of 32 columns, E[x^2] - E[x]^2 for "large" problems),
+#: one of them with a mean of 1000 that a one-pass variance cannot survive
+HIDDEN_SIZES = ((17, 3, 1.0), (100, 300, 1.0), (160, 300, 1000.0), (1536, 3, 1.0),
+                (3584, 2, 1.0), (5120, 2, 1.0), (70_003, 2, 1.0))
 #: (x shape, normalized_shape): ranks 2, 3, 4, one to three normalized axes
 RANKS = (((6, 24), (24,)), ((2, 3, 24), (24,)), ((2, 3, 24), (3, 24)),
          ((2, 2, 3, 24), (24,)), ((2, 2, 3, 24), (3, 24)), ((2, 2, 3, 24), (2, 3, 24)))
@@ -47,6 +56,7 @@ LAYOUT_SHAPE = (2, 5, 24)
 VIEW_LAYOUTS = ("strided", "sliced", "transposed", "split_heads")
 BN_C = 3
 BN_ROW_C = 2  # channels of the row-count cases: few, so 131072 samples stay fast
+BN_WIDE_C = 6  # channels of one more 4096-sample case: not a multiple of 4
 BN_LAYOUT_SHAPES = {4: (4, BN_C, 5, 6), 3: (4, BN_C, 7), 2: (12, BN_C)}
 NORM_OPS = ("layer_norm", "rms_norm")
 
@@ -71,7 +81,8 @@ def _norm(ctx, case):
     _rows_allowed(ctx, rows)
     grads = ctx.has_gradient(op)
     pl = case.get("param_layout", "contiguous")
-    args = dict(x=ArraySpec(shape, seed, 1.0, 2.0, case.get("layout", "contiguous")),
+    args = dict(x=ArraySpec(shape, seed, case.get("mean", 1.0), 2.0,
+                            case.get("layout", "contiguous")),
                 normalized_shape=ns, weight=ArraySpec(ns, seed + 1, 1.0, 0.5, pl),
                 grad=ArraySpec(shape, seed + 3, 0.0, 1.0, case.get("grad_layout", "contiguous"))
                 if grads else None)
@@ -102,8 +113,8 @@ def row_count_cases():
 
 def hidden_size_cases():
     for op in NORM_OPS:
-        for d, rows in HIDDEN_SIZES.items():
-            yield dict(op=op, shape=(rows, d), normalized_shape=(d,))
+        for d, rows, mean in HIDDEN_SIZES:
+            yield dict(op=op, shape=(rows, d), normalized_shape=(d,), mean=mean)
 
 
 def rank_cases():
@@ -136,12 +147,14 @@ def row_counts(ctx):
          lambda c: f"{c['shape'][0]} rows x d = {ROW_D}")
 
 
-@check("F2/F3.hidden_sizes", title="Hidden sizes that are not powers of two (17, 1536, 3584) "
-       "and longer than 65536 (70003): outputs and every gradient equal the oracle's",
+@check("F2/F3.hidden_sizes", title="Hidden sizes that are not powers of two (17, 100, 160, "
+       "1536, 3584, 5120), longer than 65536 (70003), and 300-row problems (one of mean "
+       "1000): outputs and every gradient equal the oracle's",
        ops=NORM_OPS)
 def hidden_sizes(ctx):
     _run(ctx, hidden_size_cases(), _norm,
-         lambda c: f"d = {c['shape'][1]}, {c['shape'][0]} rows")
+         lambda c: f"d = {c['shape'][1]}, {c['shape'][0]} rows"
+         + (f", mean {c['mean']:g}" if c["mean"] != 1.0 else ""))
 
 
 @check("F2/F3.ranks", title="Ranks 2, 3 and 4, one to three normalized axes: outputs and every "
@@ -186,6 +199,9 @@ def batchnorm_row_cases():
     for rows in ROW_COUNTS:
         if rows > 1:
             yield dict(shape=(rows, BN_ROW_C), layout="contiguous")
+    # past 4096 values per channel kernels switch to a two-stage reduction that takes
+    # channels in vectors of 4: 6 channels leave a partial vector
+    yield dict(shape=(4096, BN_WIDE_C), layout="contiguous")
 
 
 def batchnorm_layout_cases():
@@ -219,8 +235,9 @@ def _batchnorm(ctx, case):
     driver.raise_deferred()
 
 
-@check("F1/F5.row_counts", title="BatchNorm with 2 to 131072 samples (launch thresholds): "
-       "train and eval outputs, gradients and running statistics equal the oracle's",
+@check("F1/F5.row_counts", title="BatchNorm with 2 to 131072 samples (launch thresholds), "
+       "and 4096 samples of 6 channels: train and eval outputs, gradients and running "
+       "statistics equal the oracle's",
        ops=("batch_norm",))
 def batchnorm_row_counts(ctx):
     for case in batchnorm_row_cases():

@@ -3,9 +3,23 @@ protocol requires, and the dL/dgamma, dL/dbeta comparison."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..tolerances import bound, param_grad_scales
+
+
+class Judged(NamedTuple):
+    """An op's output as it was compared: what the backend returned, the oracle's
+    value, the scale and the bound's n and kappa it was judged at (for the checks that
+    go on to ask more of it: checks/rounding.py)."""
+
+    got: np.ndarray
+    expected: np.ndarray
+    scale: np.ndarray
+    n: int
+    kappa: np.ndarray | float
 
 
 def f64(a):

@@ -18,7 +18,7 @@ from ..tolerances import (
     running_stat_scales,
     shift_kappa,
 )
-from ._common import compare_param_grads, f64
+from ._common import Judged, compare_param_grads, f64
 
 
 def _describe(a) -> str:
@@ -58,6 +58,8 @@ class BatchNormDriver:
         # registered even when None, so the repro defines every name it uses
         self.w, self.b = ctx.use(weight=weight if affine else None, bias=bias if affine else None)
         self.steps = 0
+        #: the last step's output as it was compared (a Judged), for checks that ask more
+        self.judged: Judged | None = None
         code = (f"layer = backend.batch_norm({num_features}, eps={eps!r}, momentum={momentum!r}, "
                 f"affine={affine}, track_running_stats={track_running_stats}, "
                 f"dtype={ctx.dtype_name!r}, weight=weight, bias=bias)")
@@ -163,8 +165,9 @@ class BatchNormDriver:
         beta = np.abs(b64).reshape(bshape) if b64 is not None else 0.0
         if check_output:
             ctx.oracle(f"show({got_name}, expected, name='output')")
-            ctx.conforms(expected=expected, actual=out,
-                         scale=centred_output_scale(x_hat, gamma, beta, axes),
+            scale = centred_output_scale(x_hat, gamma, beta, axes)
+            self.judged = Judged(out, expected, scale, n, kappa)
+            ctx.conforms(expected=expected, actual=out, scale=scale,
                          bound=bound("output", ctx.dtype, n, kappa),
                          quantity=f"batch_norm.{phase}.output", what=what, call=code,
                          variants=variants(0) if variants else None)

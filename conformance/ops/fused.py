@@ -17,7 +17,7 @@ from ..tolerances import (
     param_grad_scales,
     rms_output_scale,
 )
-from ._common import f64
+from ._common import Judged, f64
 
 OTHER = {"rounded": "float32", "float32": "rounded"}
 
@@ -59,9 +59,10 @@ def _norm_terms(norm, s, shape, axes, w64, b64, e):
 
 
 def fused_add_norm_case(ctx, *, norm, x, residual, normalized_shape, weight=None, bias=None,
-                        eps=1e-5, grad_output=None, grad_residual=None) -> None:
+                        eps=1e-5, grad_output=None, grad_residual=None) -> Judged:
     """One fused_add_norm call against spec.fused_add_norm(_vjp) under the declared
-    contract; gradients when both upstream gradient recipes are given."""
+    contract; gradients when both upstream gradient recipes are given. Returns the
+    normalized output as it was judged."""
     xa, ra, w, b, gy, gr = ctx.use(x=x, residual=residual, weight=weight, bias=bias,
                                    grad_output=grad_output, grad_residual=grad_residual)
     shape = tuple(normalized_shape)
@@ -103,8 +104,9 @@ def fused_add_norm_case(ctx, *, norm, x, residual, normalized_shape, weight=None
                       contract, expected=expected, actual=res.output, scale=out_scale,
                       bound=bound("output", dt, d, kappa), quantity="fused_add_norm.output",
                       call=code)
+    judged = Judged(res.output, expected, out_scale, d, kappa)
     if not grads:
-        return
+        return judged
     gy64, gr64 = f64(gy), f64(gr)
     gx, g_res, gw, gb = spec.fused_add_norm_vjp(x64, r64, gy64, gr64, norm, shape, w64, b64,
                                                 e, **kw)
@@ -133,3 +135,4 @@ def fused_add_norm_case(ctx, *, norm, x, residual, normalized_shape, weight=None
         ctx.conforms(expected=gb, actual=res.grad_bias, scale=b_scale,
                      bound=bound("param_gradient", dt, gy64.size), quantity="fused_add_norm.grad_bias",
                      call=code)
+    return judged
