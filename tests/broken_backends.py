@@ -1554,3 +1554,18 @@ class FusedAtomicParamGradSums(NumpyBackend):
                        grad_outputs=None):
         return NumpyBackend.fused_add_norm(self._atomic, x, residual, norm, normalized_shape,
                                            weight, bias, eps, grad_outputs)
+
+
+class FusedTruncatesResidual(NumpyBackend):
+    """The fused add + norm normalizes the sum rounded to nearest, as it should, but
+    writes the residual back truncated: within 1 ULP of every element, biased toward
+    zero."""
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        res = super().fused_add_norm(x, residual, norm, normalized_shape, weight, bias, eps,
+                                     grad_outputs)
+        if x.dtype.name not in ("float16", "bfloat16"):
+            return res
+        exact = x.astype(np.float32) + residual.astype(np.float32)
+        return res._replace(residual=truncate_to(exact, x.dtype))

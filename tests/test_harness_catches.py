@@ -185,6 +185,8 @@ DEFECTS = {
         bb.FusedIgnoresStrides, "F8.fused_add_rms_norm", "float32"),
     "fused add + norm taking x.shape[0] for the token count": (
         bb.FusedAssumes2D, "F8.fused_add_layer_norm", "float32"),
+    "fused add + norm writing the residual back truncated": (
+        bb.FusedTruncatesResidual, "F8.rounding_bias", "bfloat16"),
     "fused add + norm dL/dgamma reduced with atomic adds": (
         bb.FusedAtomicParamGradSums, "B9.deterministic", "float32"),
 }

@@ -6,6 +6,7 @@ numeric finding, print got against expected with the error in ULPs."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -89,3 +90,24 @@ def test_a_parameter_gradient_finding_shows_that_gradient(name, quantities):
         field = rec.quantity.rsplit(".", 1)[-1]
         assert f"{field}[" in proc.stdout, (
             f"the repro of {rec.quantity} printed\n{proc.stdout}\n--- snippet ---\n{rec.repro}")
+
+
+@pytest.mark.parametrize(("check_id", "dtype"), [
+    ("F2.rounding_bias", "bfloat16"), ("F3.rounding_bias", "float16"),
+    ("F1.rounding_bias", "bfloat16"), ("F6.rounding_bias", "float16"),
+    ("F8.rounding_bias", "float16")])
+def test_a_rounding_bias_repro_prints_the_judged_mean(check_id, dtype):
+    """The repro prints the mean signed error the record judged, over the same elements
+    (found by a review: it printed the unfiltered, unclipped mean, -0.78 for a correct
+    backend's QK scores)."""
+    loaded = LoadedBackend("TruncatesHalf", "tests", backend=bb.TruncatesHalf(),
+                           requested="broken_backends:TruncatesHalf")
+    recs = [r for r in runner.run_check(loaded, CHECKS[check_id], dtype, seed=0, examples=1)
+            if r.status == "fail"]
+    assert recs
+    for rec in recs:
+        judged = float(re.search(r"mean signed error ([-+][0-9.]+) ULPs", rec.message).group(1))
+        proc = execute(rec.repro)
+        assert proc.returncode == 0, proc.stderr[-800:]
+        printed = float(re.search(r"as judged\): (\S+)", proc.stdout).group(1))
+        assert round(printed, 3) == judged

@@ -59,7 +59,7 @@ class BatchNormDriver:
         self.w, self.b = ctx.use(weight=weight if affine else None, bias=bias if affine else None)
         self.steps = 0
         #: the last step's output as it was compared (a Judged), for checks that ask more
-        self.judged: Judged | None = None
+        self.judged = None
         code = (f"layer = backend.batch_norm({num_features}, eps={eps!r}, momentum={momentum!r}, "
                 f"affine={affine}, track_running_stats={track_running_stats}, "
                 f"dtype={ctx.dtype_name!r}, weight=weight, bias=bias)")

@@ -59,10 +59,10 @@ def _norm_terms(norm, s, shape, axes, w64, b64, e):
 
 
 def fused_add_norm_case(ctx, *, norm, x, residual, normalized_shape, weight=None, bias=None,
-                        eps=1e-5, grad_output=None, grad_residual=None) -> Judged:
+                        eps=1e-5, grad_output=None, grad_residual=None) -> tuple[Judged, Judged]:
     """One fused_add_norm call against spec.fused_add_norm(_vjp) under the declared
     contract; gradients when both upstream gradient recipes are given. Returns the
-    normalized output as it was judged."""
+    normalized output and the residual written back, as they were judged."""
     xa, ra, w, b, gy, gr = ctx.use(x=x, residual=residual, weight=weight, bias=bias,
                                    grad_output=grad_output, grad_residual=grad_residual)
     shape = tuple(normalized_shape)
@@ -93,7 +93,8 @@ def fused_add_norm_case(ctx, *, norm, x, residual, normalized_shape, weight=None
                f"{shape!r}, weight, bias, {e!r}, contract={contract!r})",
                "show(result.output, expected, name='output')",
                "show(result.residual, expected_residual, name='residual')")
-    ctx.conforms(expected=written, actual=res.residual, scale=np.abs(x64) + np.abs(r64),
+    sum_scale = np.abs(x64) + np.abs(r64)
+    ctx.conforms(expected=written, actual=res.residual, scale=sum_scale,
                  bound=bound("residual_sum", dt, 1), quantity="fused_add_norm.residual",
                  call=code)
     x_hat, r, kappa, out_scale = _norm_terms(norm, s, shape, axes, w64, b64, e)
@@ -104,7 +105,8 @@ def fused_add_norm_case(ctx, *, norm, x, residual, normalized_shape, weight=None
                       contract, expected=expected, actual=res.output, scale=out_scale,
                       bound=bound("output", dt, d, kappa), quantity="fused_add_norm.output",
                       call=code)
-    judged = Judged(res.output, expected, out_scale, d, kappa)
+    judged = Judged(res.output, expected, out_scale, d, kappa), \
+        Judged(res.residual, written, sum_scale, 1, 1.0)
     if not grads:
         return judged
     gy64, gr64 = f64(gy), f64(gr)
