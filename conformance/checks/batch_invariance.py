@@ -1,9 +1,10 @@
-"""Batch invariance (B9), read as a property: LayerNorm, RMSNorm, QK-norm scores and
-eval-mode BatchNorm use no batch statistics, so a sample's output must be bit for bit the
-same alone and in any batch, at any position in it; training-mode BatchNorm must not be
-(it is the reason for the rule). And the same call twice gives the same bits, the
-gradients included (dL/dgamma and dL/dbeta, sums over every row, are where a backward
-that reduces with atomic adds differs from call to call).
+"""Batch invariance (B9), read as a property: LayerNorm, RMSNorm, QK-norm scores,
+eval-mode BatchNorm and the fused residual add + LayerNorm (what an inference engine
+runs) use no batch statistics, so a sample's output must be bit for bit the same alone
+and in any batch, at any position in it; training-mode BatchNorm must not be (it is the
+reason for the rule). And the same call twice gives the same bits, the gradients
+included (dL/dgamma and dL/dbeta, sums over every row, are where a backward that reduces
+with atomic adds differs from call to call; the fused op's too).
 
 Bitwise, not within a tolerance: inference stacks need it bit for bit. A kernel that
 switches its reduction strategy with the number of rows (a split reduction for small
