@@ -288,3 +288,17 @@ def test_a_layer_that_writes_into_gamma_is_named_for_it():
     failed = [r for r in run(bb.ZeroesParams(), "F1.values", "float32") if r.status == "fail"]
     assert failed and all(r.message.startswith("got weight modified in place")
                           for r in failed), failed[0].message
+
+
+def test_bias_of_an_untracked_layer_is_asked_only_of_a_backend_that_has_one():
+    """F1.rounding_bias's untracked case is unsupported, with why, where the backend's
+    capabilities say untracked_stats = False; its tracked cases still run."""
+    import dataclasses
+
+    class TrackedOnly(NumpyBackend):
+        capabilities = dataclasses.replace(NumpyBackend.capabilities, untracked_stats=False)
+
+    records = run(TrackedOnly(), "F1.rounding_bias", "bfloat16")
+    by_status = {r.status: r for r in records}
+    assert sorted(r.status for r in records) == ["pass", "pass", "unsupported"]
+    assert "untracked_stats = False" in by_status["unsupported"].message

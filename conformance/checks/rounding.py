@@ -21,6 +21,7 @@ import numpy as np
 from normspec.impls.protocol import compute_dtype
 
 from ..cases import ArraySpec
+from ..context import Unsupported
 from ..ops import BatchNormDriver
 from ..ops._common import Judged, f64
 from ..ops.fused import fused_add_norm_case
@@ -166,6 +167,8 @@ def batch_norm_bias(ctx):
         with ctx.case(f"{BN_SHAPE[0]} samples of {c} channels, affine, {what}, rounded to "
                       f"{ctx.dtype_name}"):
             ctx.require("batch_norm")
+            if not track and not ctx.backend.capabilities.untracked_stats:
+                raise Unsupported("capabilities say untracked_stats = False")
             # momentum 1: the running statistics are the batch's; not compared (F4's), so
             # a declared estimator does not make this case a deviation before it is judged
             driver = BatchNormDriver(ctx, c, momentum=1.0, track_running_stats=track,
