@@ -10,7 +10,7 @@ import types
 
 import normspec.spec as spec
 import numpy as np
-from normspec.impls.numpy_ref import NumpyBackend, NumpyBatchNorm, _mean, compute_dtype
+from normspec.impls.numpy_ref import NumpyBackend, NumpyBatchNorm, _axes, _mean, compute_dtype
 from normspec.impls.protocol import Conventions, Result
 from oracle_backend import OracleBackend, OracleBatchNorm
 
@@ -1376,7 +1376,7 @@ class LargeProblemOnePassVariance(NumpyBackend):
 
     def variance(self, v, axes, mu):
         d = int(np.prod([v.shape[a] for a in axes]))
-        if not _last_axes(v, axes) or v.size // max(d, 1) < 256 or d < 128:
+        if not _last_axes(v, axes) or _rows(v, axes) < 256 or d < 128:
             return super().variance(v, axes, mu)
         return _mean(v * v, axes) - mu * mu
 
@@ -1428,10 +1428,6 @@ class MomentumZeroIsNone(NumpyBackend):
                                   track_running_stats, np.dtype(dtype), weight, bias)
 
 
-def _trailing(x, normalized_shape):
-    return tuple(range(x.ndim - len(normalized_shape), x.ndim))
-
-
 def _affine(y, weight, bias, ct):
     if weight is not None:
         y = y * weight.astype(ct)
@@ -1449,7 +1445,7 @@ class FusedPaddedLanes(NumpyBackend):
         res = super().fused_add_norm(x, residual, norm, normalized_shape, weight, bias, eps,
                                      grad_outputs)
         ct = compute_dtype(x.dtype)
-        s, axes = res.residual.astype(ct), _trailing(x, normalized_shape)
+        s, axes = res.residual.astype(ct), _axes(x, normalized_shape)
         d = int(np.prod(normalized_shape))
         p = 1 << (d - 1).bit_length()
         if p == d:
@@ -1475,7 +1471,7 @@ class FusedLargeBatchMixes(NumpyBackend):
                                      grad_outputs)
         if x.size // int(np.prod(normalized_shape)) < 256 or compute_dtype(x.dtype) == x.dtype:
             return res
-        ct, axes = np.float32, _trailing(x, normalized_shape)
+        ct, axes = np.float32, _axes(x, normalized_shape)
         exact, rounded = x.astype(ct) + residual.astype(ct), res.residual.astype(ct)
         if norm == "rms_norm":
             y = rounded / np.sqrt(_mean(exact * exact, axes) + ct(eps))

@@ -40,14 +40,14 @@ def _assert_bound(ctx, got, d, limit, what):
 def bound_holds(ctx):
     def body(pair):
         q, k = pair
-        got, _ = qk_scores_case(ctx, q=q, k=k, eps=_eps(ctx))
+        got = qk_scores_case(ctx, q=q, k=k, eps=_eps(ctx)).got
         _assert_bound(ctx, got, q.shape[-1], float(np.sqrt(q.shape[-1])), "scores")
 
     ctx.explore("drawn q, k (magnitudes up to 1e6, 1e3 in float16)",
                 ns.qk_pairs(max_magnitude=_largest_magnitude(ctx)), body)
     with ctx.case("q parallel to k, d_k = 128: the bound 11.3137085 is reached"):
         q, k = Literal.of(np.full((1, 1, 128), 0.375)), Literal.of(np.full((1, 2, 128), 48.0))
-        got, _ = qk_scores_case(ctx, q=q, k=k, eps=_eps(ctx))
+        got = qk_scores_case(ctx, q=q, k=k, eps=_eps(ctx)).got
         _assert_bound(ctx, got, 128, float(np.sqrt(128)), "scores")
 
 
@@ -57,8 +57,8 @@ def scale_invariance(ctx):
     q, k = Literal(values=(((2.0, 1.0),),)), Literal(values=(((1.0, 0.0), (0.0, 1.0)),))
     q3, k3 = Literal(values=(((6.0, 3.0),),)), Literal(values=(((3.0, 0.0), (0.0, 3.0)),))
     with ctx.case("E5 q = [2, 1], keys [1, 0], [0, 1], then all x3"):
-        plain, _ = qk_scores_case(ctx, q=q, k=k, eps=_eps(ctx))
-        scaled, _ = qk_scores_case(ctx, q=q3, k=k3, eps=_eps(ctx))
+        plain = qk_scores_case(ctx, q=q, k=k, eps=_eps(ctx)).got
+        scaled = qk_scores_case(ctx, q=q3, k=k3, eps=_eps(ctx)).got
         ctx.conforms(expected=plain.astype(np.float64), actual=scaled,
                                        scale=1.0,
                                        bound=bound("invariance", ctx.dtype, 2),
@@ -67,9 +67,9 @@ def scale_invariance(ctx):
     for factor in (2.0**-6, 2.0**12):
         with ctx.case(f"drawn q, k; q scaled by {factor:g}"):
             qr, kr = ArraySpec((2, 3, 48), ctx.seed, 0.0, 1.0), ArraySpec((2, 4, 48), ctx.seed + 1)
-            plain, _ = qk_scores_case(ctx, q=qr, k=kr, eps=_eps(ctx))
-            scaled, _ = qk_scores_case(ctx, q=ArraySpec((2, 3, 48), ctx.seed, factor=factor),
-                                          k=kr, eps=_eps(ctx))
+            plain = qk_scores_case(ctx, q=qr, k=kr, eps=_eps(ctx)).got
+            scaled = qk_scores_case(ctx, q=ArraySpec((2, 3, 48), ctx.seed, factor=factor),
+                                    k=kr, eps=_eps(ctx)).got
             ctx.conforms(expected=plain.astype(np.float64), actual=scaled,
                                            scale=np.sqrt(48),
                                            bound=bound("invariance", ctx.dtype, 48),
@@ -83,7 +83,8 @@ def gains(ctx):
         d = 16
         q, k = Literal.of(np.full((1, 1, d), 0.5)), Literal.of(np.full((1, 1, d), 7.0))
         qw, kw = Literal.of(np.full(d, 2.0)), Literal.of(np.full(d, 1.5))
-        got, expected = qk_scores_case(ctx, q=q, k=k, q_weight=qw, k_weight=kw, eps=_eps(ctx))
+        got, expected = qk_scores_case(ctx, q=q, k=k, q_weight=qw, k_weight=kw,
+                                       eps=_eps(ctx))[:2]
         ctx.holds(condition=float(np.max(np.abs(got.astype(np.float64)))) > np.sqrt(d),
                      got=f"max |s| = {float(np.max(np.abs(got.astype(np.float64))))!r}",
                      spec_says=f"gains lift the score above sqrt(d_k) = {np.sqrt(d)!r}, to "
@@ -99,7 +100,7 @@ def gains(ctx):
 
     def body(c):
         q, k, qw, kw = c
-        got, _ = qk_scores_case(ctx, q=q, k=k, q_weight=qw, k_weight=kw, eps=_eps(ctx))
+        got = qk_scores_case(ctx, q=q, k=k, q_weight=qw, k_weight=kw, eps=_eps(ctx)).got
         # the oracle's bound with gains: |s| <= |g_q * q_hat| |g_k * k_hat| / sqrt(d)
         d = q.shape[-1]
         qh = spec.rms_norm(ctx.inputs["q"].build(ctx.dtype), (d,), qw.build(ctx.dtype), _eps(ctx))
@@ -117,7 +118,7 @@ def rope_bound(ctx):
     with ctx.case("positions 0..7, d_k = 64, magnitudes 1e3"):
         q64 = spec.rope(ArraySpec((2, 8, 64), ctx.seed, 0.0, 1e3).values64(), np.arange(8))
         k64 = spec.rope(ArraySpec((2, 8, 64), ctx.seed + 1, 0.0, 1e3).values64(), np.arange(8))
-        got, _ = qk_scores_case(ctx, q=Literal.of(q64), k=Literal.of(k64), eps=_eps(ctx))
+        got = qk_scores_case(ctx, q=Literal.of(q64), k=Literal.of(k64), eps=_eps(ctx)).got
         _assert_bound(ctx, got, 64, 8.0, "scores after RoPE")
 
 

@@ -33,7 +33,6 @@ from ..tolerances import (
     bound,
     centred_output_scale,
     centring_kappa,
-    qk_scores_scale,
     rms_output_scale,
     rounding_bias_bound,
 )
@@ -195,12 +194,8 @@ def qk_scores_bias(ctx):
                        q_weight=ArraySpec((d,), ctx.seed + 2, 1.0, 0.3),
                        k_weight=ArraySpec((d,), ctx.seed + 3, 1.0, 0.3))
         eps, s = 1e-6, float(1.0 / np.sqrt(d))
-        got, expected = qk_scores_case(ctx, eps=eps, scale=s, **recipes)
-        q64, k64, qw, kw = (f64(r.build(ctx.dtype)) for r in recipes.values())
-        e = ctx.effective(eps, "eps")
-        scale = qk_scores_scale(spec.rms_norm(q64, (d,), qw, e), spec.rms_norm(k64, (d,), kw, e),
-                                s)
-        _judge(ctx, Judged(got, expected, scale, d, 1.0), row="scores", got_name="scores",
+        judged = qk_scores_case(ctx, eps=eps, scale=s, **recipes)
+        _judge(ctx, judged, row="scores", got_name="scores",
                code=f"scores = backend.qk_norm_scores(q, k, q_weight, k_weight, {eps!r}, {s!r})")
 
 

@@ -6,11 +6,12 @@ import normspec.spec as spec
 import numpy as np
 
 from ..tolerances import bound, qk_scores_scale
-from ._common import f64
+from ._common import Judged, f64
 
 
-def qk_scores_case(ctx, *, q, k, q_weight=None, k_weight=None, eps=1e-6, scale=None):
-    """Compare the scores; returns (got, expected) for checks that go on with them."""
+def qk_scores_case(ctx, *, q, k, q_weight=None, k_weight=None, eps=1e-6, scale=None) -> Judged:
+    """Compare the scores; returns them as they were judged, for checks that go on with
+    them."""
     qa, ka, qw, kw = ctx.use(q=q, k=k, q_weight=q_weight, k_weight=k_weight)
     d = qa.shape[-1]
     s = float(1.0 / np.sqrt(d)) if scale is None else float(scale)
@@ -26,6 +27,7 @@ def qk_scores_case(ctx, *, q, k, q_weight=None, k_weight=None, eps=1e-6, scale=N
     k_hat = spec.rms_norm(k64, (d,), f64(kw), e)
     ctx.oracle(f"expected = spec.qk_norm_scores(q, k, q_weight, k_weight, {e!r}, {s!r})",
                "show(scores, expected, name='scores')")
-    ctx.conforms(expected=expected, actual=got, scale=qk_scores_scale(q_hat, k_hat, s),
+    scores_scale = qk_scores_scale(q_hat, k_hat, s)
+    ctx.conforms(expected=expected, actual=got, scale=scores_scale,
                  bound=bound("scores", ctx.dtype, d), quantity="qk_norm_scores.output", call=code)
-    return got, expected
+    return Judged(got, expected, scores_scale, d, 1.0)
