@@ -14,7 +14,7 @@ reads as an incomplete document.
 Document (schema "normspec-results", version 2; version 1 files are read too):
 
     {"schema": "normspec-results", "version": 2,
-     "runs": [{"run": label, "created": ISO time, "seed": int, "host", "cpu", "python",
+     "runs": [{"run": label, "id": unique hex, "created": ISO time, "seed": int, "host", "cpu", "python",
                "versions": {package: version}, "argv": [...], "duration_s": float,
                "complete": bool, "stopped_by": "" | "SIGINT" | "SIGTERM" | "killed",
                "planned": int, "not_reached": [[backend, check, dtype], ...],
@@ -96,8 +96,9 @@ BENCH_DEFAULTS: dict[str, Any] = {"series": "table", "ms": None, "gbps": None, "
                                   "timed": "", "error": "", "attempts": None, "round": None,
                                   "pid": None,
                                   "run": ""}
-RUN_DEFAULTS: dict[str, Any] = {"created": "", "seed": None, "host": "", "cpu": "", "platform": "",
-                "python": "", "versions": {}, "argv": [], "complete": True, "stopped_by": "",
+RUN_DEFAULTS: dict[str, Any] = {"id": "", "created": "", "seed": None, "host": "", "cpu": "",
+                "platform": "", "python": "", "versions": {}, "argv": [], "complete": True,
+                "stopped_by": "",
                 "not_reached": [], "shard": "", "replicas": None}
 
 
@@ -343,10 +344,14 @@ def check_mergeable(docs: list[dict], names: list[str]) -> None:
     seen: dict[tuple, str] = {}
     for doc, name in zip(docs, names, strict=True):
         for run in doc.get("runs", []):
-            key = (run.get("run"), run.get("created"), run.get("shard"))
-            if key in seen and run.get("created"):  # old files without a time: cannot tell
-                raise ResultsError(f"{name} and {seen[key]} both hold run {key[0]!r} created "
-                                   f"{key[1] or '(no time)'}: its records would count twice")
+            # a run is its id; files written before runs had one, by label, time (to the
+            # second: two runs of one label started in one second looked like one) and shard
+            key = ((run["id"],) if run.get("id") else
+                   (run.get("run"), run.get("created"), run.get("shard")))
+            if key in seen and (run.get("id") or run.get("created")):  # no time: cannot tell
+                raise ResultsError(f"{name} and {seen[key]} both hold run {run.get('run')!r} "
+                                   f"created {run.get('created') or '(no time)'}: its records "
+                                   "would count twice")
             seen.setdefault(key, name)
     backends: dict[tuple, tuple] = {}
     for doc, name in zip(docs, names, strict=True):

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from importlib import metadata
@@ -80,7 +81,10 @@ def _cpu() -> str:
 
 
 def run_info(seed: int, label: str) -> dict:
-    return {"run": label, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    """The run's entry in its results file; `id` tells it from any other run, even one of
+    the same label started in the same second (a merge refuses a run counted twice)."""
+    return {"run": label, "id": uuid.uuid4().hex,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "seed": seed, "host": platform.node(), "cpu": _cpu(), "platform": platform.platform(),
             "python": sys.version.split()[0], "versions": _versions(), "argv": sys.argv[1:]}
 

@@ -606,3 +606,22 @@ def test_a_run_stopped_while_loading_is_the_latest_and_reports(tmp_path, monkeyp
     assert (run["complete"], run["stopped_by"]) == (False, "SIGINT")
     monkeypatch.setattr(runner._Run, "load", real_load)
     assert cli.main(["report", "-o", "r.html"]) == 0 and (tmp_path / "r.html").exists()
+
+
+def test_two_runs_of_one_label_started_in_one_second_merge(tmp_path):
+    """Runs are told apart by their id, not by label and time to the second: two runs
+    of one label created in the same second merged as 'the same run twice' (found by a
+    clean-clone CI run, where two quick runs of E1 started within one second)."""
+    for name in ("a.json", "b.json"):
+        ran = normspec(tmp_path, "run", "--backend", "numpy", "--check", "E1", "--json", name,
+                       "--no-html", "--quiet", "--label", "here")
+        assert ran.returncode == 0, ran.stderr
+    a = json.loads((tmp_path / "a.json").read_text(encoding="utf-8"))
+    b = json.loads((tmp_path / "b.json").read_text(encoding="utf-8"))
+    assert a["runs"][0]["id"] != b["runs"][0]["id"]
+    b["runs"][0]["created"] = a["runs"][0]["created"]
+    (tmp_path / "b.json").write_text(json.dumps(b), encoding="utf-8")
+    merged = normspec(tmp_path, "report", "a.json", "b.json", "-o", "x.html")
+    assert merged.returncode == 0, merged.stderr
+    twice = normspec(tmp_path, "report", "b.json", "b.json", "-o", "y.html")
+    assert twice.returncode == 2 and "count twice" in twice.stderr, twice.stderr
