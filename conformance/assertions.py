@@ -22,10 +22,13 @@ from . import tolerances
 class CheckFailure(AssertionError):
     """A backend disagreed with the spec. `measure` holds the worst error found."""
 
-    def __init__(self, message: str, *, measure: Measure | None = None):
+    def __init__(self, message: str, *, measure: Measure | None = None, protocol: bool = False):
         super().__init__(message)
         self.measure = measure
         self.diagnosis: dict = {}  # the formula variants that explain it (diagnosis.py)
+        #: a breach of the call's contract (an input written into, an output that is not
+        #: an array of the shape and dtype asked), which no deviation entry excuses
+        self.protocol = protocol
 
 
 @dataclass

@@ -196,9 +196,16 @@ class RowsAt:
 
 
 def repro_snippet(*, backend_source: str, dtype_name: str, inputs: dict[str, Any],
-                  calls: list[str]) -> str:
-    """A copy-pasteable script that rebuilds the inputs and repeats the calls."""
-    lines = [
+                  calls: list[str], finding: str = "") -> str:
+    """A copy-pasteable script that rebuilds the inputs and repeats the calls; it opens
+    with `finding` (what the record says, as comment lines) and, for a backend loaded
+    from a module of the user's, with where it must run."""
+    lines = [f"# {line}" for line in finding.splitlines()]
+    if ":" in backend_source:
+        module = backend_source.split(":")[0]
+        lines.append(f"# load({backend_source!r}) imports {module}: run this where that import "
+                     "works (its folder on PYTHONPATH), as the run did")
+    lines += [
         "import numpy as np",
         "import normspec.spec as spec",
         "from normspec.conformance.cases import ArraySpec, Literal, RowsAt",

@@ -188,14 +188,16 @@ def _unwritable(path: Path) -> str | None:
         # written by renaming a finished file over it: a device (/dev/null) or a pipe
         # would be replaced by a regular file, as root
         return f"{path} is not a regular file"
-    parent = path.parent
+    parent, missing = path.parent, None
     while not parent.exists():
-        parent = parent.parent
+        parent, missing = parent.parent, parent
     try:
         with tempfile.TemporaryFile(dir=parent):
             pass
     except OSError as exc:
-        return f"{parent} is not a writable folder ({exc.strerror})"
+        # (the folder that does not exist is the one to name, where there is one)
+        return (f"{missing} does not exist and cannot be made in {parent} ({exc.strerror})"
+                if missing is not None else f"{parent} is not a writable folder ({exc.strerror})")
     return None
 
 
@@ -455,13 +457,24 @@ def print_summary(doc: dict, out=None) -> int:
                   "run but explained none: the backend no longer deviates there)", file=out)
     bad = [r for r in doc["records"] if r["status"] in results.FAILING]
     if bad:
-        print(f"\n{len(bad)} failing record(s):", file=out)
+        print(f"\n{len(bad)} failing record(s) (texts cut at {CONSOLE_TEXT} characters end in "
+              "'...'; the results file and the report hold them whole):", file=out)
         for r in bad:
             diagnosis = diagnosis_summary(r.get("diagnosis"))
             print(f"  [{r['status']}] {r['backend']} {r['check']} {r['dtype']} ({r['case']}): "
-                  f"{r['message'][:300]}" + (f" -- diagnosis: {diagnosis[:300]}" if diagnosis
+                  f"{_cut(r['message'])}" + (f" -- diagnosis: {_cut(diagnosis)}" if diagnosis
                                              else ""), file=out)
     return len(bad)
+
+
+#: Characters of a failing record's message (and of its diagnosis) the console shows.
+CONSOLE_TEXT = 300
+
+
+def _cut(text: str) -> str:
+    """`text`, or its first CONSOLE_TEXT characters and '...' (a line cut mid-word with no
+    mark read as the whole message: found by a new user)."""
+    return text if len(text) <= CONSOLE_TEXT else text[:CONSOLE_TEXT].rstrip() + "..."
 
 
 # ------------------------------------------------------------------ report
@@ -510,11 +523,16 @@ def cmd_report(args) -> int:
                                "it is one of the results files the report is made from")
     if why:
         return _refuse(f"cannot write {out}: {why}", "report")
-    path = html.write_report(docs, out)
+    names = [str(f) for f in files]
+    path = html.write_report(docs, out, names)
     incomplete = sum(not r.get("complete", True) for d in docs for r in d["runs"])
+    superseded = results.merge(docs, names)["superseded"]
+    left_out = sum(u["records"] for u in superseded)
     print(f"report: {path} ({len(docs)} result file(s), "
-          f"{sum(len(d['records']) for d in docs)} records"
-          + (f", {incomplete} incomplete run(s)" if incomplete else "") + ")")
+          f"{sum(len(d['records']) for d in docs) - left_out} records"
+          + (f", {incomplete} incomplete run(s)" if incomplete else "")
+          + (f", {left_out} records of {len(superseded)} unit(s) superseded by later runs"
+             if superseded else "") + ")")
     return 0
 
 
@@ -525,6 +543,10 @@ def cmd_bench(args) -> int:
     unknown = _unknown_backend(args.backend)
     if unknown:
         return _refuse(unknown, "bench")
+    if args.json is None:
+        # a file of its own, as a run's: a second bench left the first's numbers intact
+        # nowhere (found by a new user)
+        args.json = str(RESULTS_DIR / f"{_new_stem('bench')}.json")
     why = _unwritable(Path(args.json))
     if why:
         return _refuse(f"cannot write {args.json}: {why}", "bench")
@@ -606,8 +628,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(fn=cmd_report)
 
     be = sub.add_parser("bench", help="benchmark every backend against a memory copy")
-    be.add_argument("--backend", action="append")
-    be.add_argument("--json", default="results/bench.json")
+    be.add_argument("--backend", action="append", metavar="NAME|module:factory",
+                    help="backend to time (repeatable); default: every backend found")
+    be.add_argument("--json", default=None, metavar="PATH",
+                    help="results path (default: results/<UTC time>-bench.json, a new file "
+                         "for every bench); `normspec report` plots it")
     be.add_argument("--quick", action="store_true", help="small shapes only")
     be.add_argument("--no-curve", action="store_true",
                     help="leave out the cost curve over row widths 64 .. 65536")

@@ -15,6 +15,7 @@ the repro snippet is built only for a record that needs one.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -34,9 +35,11 @@ from .assertions import (
     assert_holds,
 )
 from .cases import repro_snippet
+from .deviations import PROTOCOL
 from .diagnosis import Alternatives, diagnose
 from .results import Record
 from .tolerances import unit_roundoff
+from .twins import modified, twin
 
 #: Shrinking re-runs a failing backend many times; it is opt-in (--shrink). Every drawn
 #: example is a printable recipe, so an unshrunk failure replays just as well.
@@ -136,6 +139,43 @@ def exception_text(exc: BaseException, *, with_type: bool = True) -> str:
     return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
 
 
+def _finding(check: str, dtype: str, case: str, status: str, measure: Measure) -> str:
+    """The record a repro snippet replays, in words: which quantity decided it and by how
+    much, and why the snippet's own ULP counts may differ from the record's."""
+    head = f"normspec {check} {dtype} ({case}): {status}"
+    worst = measure.worst
+    if measure.comparisons and worst.get("quantity") and measure.max_ulp is not None:
+        index = worst.get("index")
+        at = f"[{', '.join(map(str, index))}]" if index else ""
+        head += (f" on {worst['quantity']}{at}: {measure.max_ulp:.3g} ULPs at the check's "
+                 f"scale (bound {measure.bound_ulp:.3g})\nshow() prints each quantity's worst "
+                 "element in ULPs at its row's largest |expected|, a plainer scale than the "
+                 "check's: its counts can differ from the record's")
+    return head
+
+
+def _shows_result(code: str) -> str:
+    """A repro line printing what the call `code` (`name = ...`) returned, field by field:
+    each array's shape and dtype, anything else's type."""
+    name = code.split(" = ")[0] if " = " in code else "result"
+    return ("print('protocol: got', {k: (v.shape, str(v.dtype)) if isinstance(v, np.ndarray) "
+            f"else type(v).__name__ for k, v in ({name}._asdict().items() if hasattr({name}, "
+            f"'_asdict') else [('output', {name})])}})")
+
+
+def _parameter(fn, i: int) -> str:
+    """The name of fn's parameter i (as the protocol names it: x, weight, ...), or
+    "argument i" where its signature does not say."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return f"argument {i}"
+    if i < len(params) and params[i].kind in (params[i].POSITIONAL_ONLY,
+                                               params[i].POSITIONAL_OR_KEYWORD):
+        return params[i].name
+    return f"argument {i}"
+
+
 def _owned(out):
     """The arrays a call returned, copied: a backend that hands back one buffer at every
     call (a static output, a cache) would otherwise overwrite an earlier result with a
@@ -167,6 +207,8 @@ class Context:
     on_record: Callable[[Record], None] | None = None
     calls: list[str] = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
+    #: the copies of its inputs each backend call of the case got (see call)
+    held: list = field(default_factory=list)
     measure: Measure = field(default_factory=Measure)
     notes: list[str] = field(default_factory=list)
     #: (message, reason) of each comparison the spec's answer missed and a declared
@@ -181,9 +223,9 @@ class Context:
         return self.dtype.name
 
     # ---------------------------------------------------------------- repro
-    def repro(self) -> str:
+    def repro(self, finding: str = "") -> str:
         return repro_snippet(backend_source=self.source, dtype_name=self.dtype_name,
-                             inputs=self.inputs, calls=self.calls)
+                             inputs=self.inputs, calls=self.calls, finding=finding)
 
     def use(self, **recipes):
         """Register the input recipes of the current case; return them built in dtype
@@ -239,9 +281,13 @@ class Context:
         protocol requires; `arg_names` names the arguments as `code` does, where their
         positions there are not fn's (an argument written into is named by them)."""
         self.calls.append(code)
-        arrays = [(i, a, a.copy()) for i, a in enumerate(args) if isinstance(a, np.ndarray)]
+        twins = {i: twin(a) for i, a in enumerate(args) if isinstance(a, np.ndarray)}
+        # held until the case ends: no two calls of a case get arrays of one id(), which
+        # a backend caching its results by id() would take for the same input (found by
+        # a review: B9.deterministic then compared a cached answer with itself)
+        self.held.append(twins)
         try:
-            out = fn(*args)
+            out = fn(*(twins[i][0] if i in twins else a for i, a in enumerate(args)))
         except NotImplementedError as exc:
             said = exception_text(exc, with_type=False)
             raise Unsupported(f"{code}: not implemented ({said})" if said else
@@ -255,21 +301,46 @@ class Context:
             if refusable:
                 raise Refused(message) from exc
             raise BackendError(f"{code} raised {message}") from exc
-        for i, a, before in arrays:
-            if not np.array_equal(a, before, equal_nan=True):
-                what = arg_names[i] if i < len(arg_names) else f"argument {i}"
-                raise CheckFailure(f"got {what} modified in place, but the spec says "
-                                   f"inputs are never modified [{code}]")
         for name, (shape, dtype) in (outputs_like or {}).items():
-            value = out if name == "output" and isinstance(out, np.ndarray) else getattr(out, name, None)
+            bare = name == "output" and isinstance(out, np.ndarray)
+            if not bare and not hasattr(out, name):
+                raise self._breach(f"got {_describe(out)}, with no .{name}, but the protocol "
+                                   f"says a Result whose {name} is a NumPy array [{code}]",
+                                   _shows_result(code))
+            value = out if bare else getattr(out, name)
             if not isinstance(value, np.ndarray):
-                raise CheckFailure(f"got {name} = {_describe(value)}, but the protocol says a "
-                                   f"NumPy array [{code}]")
+                raise self._breach(f"got {name} = {_describe(value)}, but the protocol says a "
+                                   f"NumPy array [{code}]", _shows_result(code))
             if value.shape != tuple(shape) or value.dtype != np.dtype(dtype):
-                raise CheckFailure(
+                raise self._breach(
                     f"got {name} of shape {value.shape} and dtype {value.dtype}, but the "
-                    f"spec says shape {tuple(shape)} and dtype {np.dtype(dtype)} [{code}]")
-        return _owned(out)
+                    f"spec says shape {tuple(shape)} and dtype {np.dtype(dtype)} [{code}]",
+                    _shows_result(code))
+        owned = _owned(out)
+        # after all the backend's code the call runs (its result's attributes too)
+        for i, made in twins.items():
+            how = modified(args[i], *made)
+            if how:
+                what = arg_names[i] if i < len(arg_names) else _parameter(fn, i)
+                where = ("modified in place" if how == "elements" else
+                         "'s memory written outside its elements (through wrong strides?)")
+                raise self._breach(f"got {what}{' ' if how == 'elements' else ''}{where}, but "
+                                   f"the spec says inputs are never modified [{code}]",
+                                   self._shows_inputs())
+        return owned
+
+    def _breach(self, message: str, shows: str) -> CheckFailure:
+        """The failure of a call that broke its contract (quantity "protocol"), and the
+        repro line `shows` that prints the breach."""
+        self.calls.append(shows)
+        return CheckFailure(message, protocol=True)
+
+    def _shows_inputs(self) -> str:
+        """A repro line printing which inputs differ, bit for bit, from their recipes."""
+        pairs = ", ".join(f"({name!r}, {name}, {recipe.code(self.dtype_name)})"
+                          for name, recipe in self.inputs.items() if recipe is not None)
+        return ("print('protocol: modified in place:', [n for n, now, made in "
+                f"[{pairs}] if np.asarray(now).tobytes() != np.asarray(made).tobytes()])")
 
     def raises(self, code: str, fn, *args) -> str | None:
         """Call the backend through the same guard as `call` where raising is the
@@ -368,11 +439,13 @@ class Context:
     def case(self, name: str, *, op: str | None = None):
         """One record: pass unless the body raises. Collects the body's measures."""
         self.calls, self.inputs, self.notes, self.explained = [], {}, [], []
+        self.held = []
         self.said = ""
         self.measure = measure = Measure()
         start = time.perf_counter()
         status, message, reason = "pass", "", ""
         diagnosis: dict = {}
+        protocol = False
         try:
             yield measure
             message = self.said
@@ -395,6 +468,8 @@ class Context:
                 # review: a float16 eval() that updated the running statistics passed as
                 # the documented 'batch_norm.eval' float16 arithmetic)
                 measure.comparisons, measure.worst = 0, {}
+                if exc.protocol:
+                    protocol = True
         except Unsupported as exc:
             status, message = "unsupported", str(exc)
         except Refused as exc:
@@ -405,13 +480,17 @@ class Context:
             if _users_interrupt(exc):
                 raise
             status, message = "error", exception_text(exc)
-        except Exception as exc:  # noqa: BLE001 - e.g. a Hypothesis error about the backend
+        except BaseException as exc:  # noqa: BLE001 - e.g. a Hypothesis error about the backend,
+            # or a backend's own BaseException (which ended its process: found by a review)
             status, message = "error", exception_text(exc)
+        finally:
+            self.held = []
         measured = measure.comparisons > 0
         rec = Record(
             backend=self.backend_name, check=self.check_id, claim=self.claim,
             op=op or self.op, dtype=self.dtype_name, case=name, status=status,
-            message=message, quantity=str(measure.worst.get("quantity", "")),
+            message=message, quantity=(PROTOCOL if protocol else
+                                       str(measure.worst.get("quantity", ""))),
             max_ulp=measure.max_ulp if measured else None,
             bound_ulp=measure.bound_ulp if measured else None,
             max_abs=measure.max_abs if measured else None,
@@ -419,7 +498,8 @@ class Context:
             worst=measure.worst, note="; ".join(self.notes),
             inputs="; ".join(f"{k} = {v.code(self.dtype_name)}" for k, v in self.inputs.items()
                              if v is not None)[:4000],
-            repro=self.repro() if status in ("fail", "error", "refused", "deviation") else "",
+            repro=(self.repro(_finding(self.check_id, self.dtype_name, name, status, measure))
+                   if status in ("fail", "error", "refused", "deviation") else ""),
             reason=reason, diagnosis=diagnosis, seed=self.seed,
             duration_s=round(time.perf_counter() - start, 4))
         self.records.append(rec)
@@ -439,7 +519,7 @@ class Context:
                       phases=PHASES_WITH_SHRINK if self.shrink else PHASES)
             @given(strategy)
             def run(example):
-                self.calls, self.inputs = [], {}
+                self.calls, self.inputs, self.held = [], {}, []
                 body(example)
 
             with seed_only_draws():

@@ -13,15 +13,27 @@ records it explains into deviations (see impls/protocol.py, Conventions)."""
 from __future__ import annotations
 
 KEYS = ("check", "except_check", "op", "dtype", "quantity", "reason")
+#: The quantity id of a failed record whose backend broke the call's contract (wrote into
+#: an input, returned something other than an array of the shape and dtype asked): no
+#: entry matches it, whatever it selects (found by a review: an entry scoped to a check
+#: turned "x modified in place" into a deviation).
+PROTOCOL = "protocol"
+SELECTORS = ("check", "op", "dtype", "quantity")
 
 
 def problems(entry: dict) -> list[str]:
-    """What is wrong with an entry (unknown keys, no reason), for the registry."""
+    """What is wrong with an entry (unknown keys, no reason, nothing selected), for the
+    registry."""
     out = [f"unknown key {k!r} (known: {', '.join(KEYS)})" for k in entry if k not in KEYS]
     out += [f"{k} must be one string (an id, id prefix or claim id), got {entry[k]!r}"
             for k in ("check", "except_check") if k in entry and not isinstance(entry[k], str)]
     if not str(entry.get("reason", "")).strip():
         out.append("no reason")
+    if not any(entry.get(k) for k in SELECTORS):
+        out.append(f"selects every record: name at least one of {', '.join(SELECTORS)}")
+    if str(entry.get("quantity") or "").split(".")[0] == PROTOCOL:
+        out.append(f"quantity {entry['quantity']!r}: a breach of the protocol is never a "
+                   "deviation")
     return out
 
 
@@ -43,8 +55,9 @@ def applies(entry: dict, rec: dict) -> bool:
 
 
 def matches(entry: dict, rec: dict) -> bool:
-    quantity = entry.get("quantity")
-    return applies(entry, rec) and (not quantity or _prefix(rec.get("quantity") or "", quantity))
+    quantity, got = entry.get("quantity"), rec.get("quantity") or ""
+    return (got != PROTOCOL and applies(entry, rec)
+            and (not quantity or _prefix(got, quantity)))
 
 
 def reason_for(rec: dict, entries: list[dict]) -> str | None:

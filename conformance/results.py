@@ -51,13 +51,16 @@ read back as floats. Files contain no `NaN`/`Infinity` tokens, so `jq`, browsers
 
 A Record is one (backend, check, op, dtype, case) with a status:
   pass        the backend agreed with the spec within the tolerance table's bound
-  fail        it disagreed (message, worst input, expected vs got, repro)
+  fail        it disagreed (message, worst input, expected vs got, repro), or broke the
+              call's contract (quantity "protocol": an input written into, an output not
+              an array of the shape and dtype asked), which no deviation excuses
   deviation   it disagreed in a way its deviations file documents (reason given)
   refused     it raised where the spec gives a value, as its conventions declare
   unsupported its capabilities say it does not offer this
-  error       the adapter crashed, hung, died, or broke the contract of the protocol
+  error       the adapter crashed, hung, died, or its process broke the run's messages
 Files from several runs merge by concatenating runs, backends and records; each record
-keeps the label of the run it came from.
+keeps the label of the run it came from; a unit two runs hold counts the later run's
+records (see merge).
 """
 
 from __future__ import annotations
@@ -319,20 +322,60 @@ def read(path) -> dict:
     return validate(_loads(text, str(path)), str(path))
 
 
-def merge(docs: list[dict]) -> dict:
+def _unit(rec: dict) -> tuple:
+    """What one run's unit of work is: a backend under a run label, a check, a dtype."""
+    return rec.get("backend"), rec.get("run", ""), rec.get("check"), rec.get("dtype")
+
+
+def _newest_units(docs: list[dict]) -> dict[tuple, int]:
+    """Each unit's document: the one whose run of that label was created last (the later
+    document on a tie)."""
+    owner: dict[tuple, tuple[str, int]] = {}
+    for i, doc in enumerate(docs):
+        created: dict[str, str] = {}
+        for run in doc.get("runs", []):
+            label = run.get("run", "")
+            created[label] = max(created.get(label, ""), str(run.get("created") or ""))
+        for rec in doc.get("records", []):
+            unit, when = _unit(rec), created.get(rec.get("run", ""), "")
+            if unit not in owner or owner[unit][0] <= when:
+                owner[unit] = (when, i)
+    return {unit: i for unit, (_, i) in owner.items()}
+
+
+def merge(docs: list[dict], names: list[str] | None = None) -> dict:
     """One document from many: runs, backends, records and benchmarks concatenated.
 
     A backend listed by several documents under the same run label (the shards of one
     sharded run, `normspec run --shard K/N`) is listed once, and its stale deviation
     entries are found again over all its records: an entry one shard did not use may
-    explain a record of another."""
+    explain a record of another.
+
+    A unit (backend and run label, check, dtype) that several runs hold is taken from the
+    run created last, whole, and the others' records of it are left out: a merge of a
+    full run and a later run of one check counted that check's records twice (found by a
+    new user: `normspec report results/` after the README's own sequence). `superseded`
+    lists what was left out, and from which file (`names`, else its position)."""
     out = new_document()
-    for doc in docs:
-        for key in ("runs", "backends", "records", "benchmarks"):
+    owner = _newest_units(docs)
+    names = names or [f"document {i + 1}" for i in range(len(docs))]
+    dropped: dict[tuple, dict] = {}
+    for i, doc in enumerate(docs):
+        for key in ("runs", "backends", "benchmarks"):
             out[key].extend(doc.get(key, []))
+        for rec in doc.get("records", []):
+            unit = _unit(rec)
+            if owner[unit] == i:
+                out["records"].append(rec)
+                continue
+            entry = dropped.setdefault((unit, i), {
+                "backend": unit[0], "run": unit[1], "check": unit[2], "dtype": unit[3],
+                "records": 0, "file": names[i], "by": names[owner[unit]]})
+            entry["records"] += 1
         if not out["tolerances"]:
             out["tolerances"] = doc.get("tolerances", [])
     out["backends"] = _fold_backends(out["backends"], out["records"])
+    out["superseded"] = list(dropped.values())
     return out
 
 

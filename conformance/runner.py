@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import datetime as _dt
+import difflib
 import os
 import platform
 import signal
@@ -54,7 +55,11 @@ def select_checks(patterns: Iterable[str] | None) -> list[Check]:
                 or p in c.claim.split("/")
                 or (p.isalpha() and c.claim[len(p):].isdigit() and c.claim.startswith(p))]
         if not hits:
-            raise ValueError(f"unknown check {p!r}; known: {', '.join(c.id for c in checks)}")
+            close = difflib.get_close_matches(p, [c.id for c in checks] + sorted(
+                {c.claim for c in checks}), n=4, cutoff=0.5)
+            raise ValueError(f"unknown check {p!r}" + (f"; did you mean {', '.join(close)}?"
+                                                        if close else "")
+                             + f" (`normspec checks` lists all {len(checks)})")
         chosen += [c for c in hits if c not in chosen]
     return chosen
 

@@ -16,6 +16,7 @@ unit), so each backend is timed in a process of its own, with nothing else loade
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -28,6 +29,48 @@ from typing import Any
 from .results import Record
 
 LOAD_TIMEOUT_MIN_S = 120.0  # a framework import on a busy 2-core machine can take a while
+#: The longest message a child may send (a record with its repro is a few KB).
+MAX_MESSAGE_BYTES = 1 << 28
+
+
+class Garbled(Exception):
+    """A child's message that is not one: the backend wrote to the harness's pipe, or a
+    process it forked is answering beside the worker."""
+
+
+def _send(conn, *msg) -> None:
+    """Child -> parent: the message as JSON (with the sender's pid), never a pickle: the
+    parent unpickling what the backend put in a record or a deviation entry would run
+    the backend's code in the run's own process (found by a review: a `str` subclass
+    whose __reduce__ called os._exit ended the run, with no results file), and a stray
+    or forged write would raise anything at all there."""
+    conn.send_bytes(json.dumps([os.getpid(), *msg]).encode())
+
+
+def _plain(value, what: str):
+    """`value` as plain JSON data (str subclasses and enums become their text, tuples
+    lists); TypeError naming `what` when it holds anything else."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what} is not plain data (str, numbers, lists, dicts): {exc}") from None
+
+
+def _receive(conn, pid: int | None) -> list:
+    """The next message of the child `pid`, checked: a list [pid, kind, ...]."""
+    raw = conn.recv_bytes(MAX_MESSAGE_BYTES)
+    try:
+        msg = json.loads(raw)
+    except ValueError:
+        raise Garbled(f"the harness's pipe carried {raw[:40]!r}, not a message (did the "
+                      "backend write to it?)") from None
+    if not (isinstance(msg, list) and len(msg) >= 2 and isinstance(msg[1], str)):
+        raise Garbled(f"the harness's pipe carried {str(msg)[:80]!r}, not a message")
+    if msg[0] != pid:
+        raise Garbled(f"process {msg[0]} wrote to the harness's pipe beside the backend's "
+                      f"worker {pid} (did the backend fork a process that returned into "
+                      "the harness?)")
+    return msg[1:]
 
 
 @dataclass
@@ -90,6 +133,11 @@ def _child_main(conn, requested: str, label: str, env: dict | None = None) -> No
         pass
     for key, value in (CHILD_ENV if env is None else env).items():
         os.environ.setdefault(key, value)
+    # the parent starts this process as a daemon (so that it never waits for it at
+    # exit), which multiprocessing takes to forbid it processes of its own: a backend
+    # that runs a process pool was an error (found by a review). Its processes die with
+    # it: Worker.kill kills its process group.
+    multiprocessing.current_process().daemon = False
     # the parent stops the run (a Ctrl-C or a SIGTERM reaches the whole process group)
     # and kills this process itself: a signal meant for the run would otherwise end the
     # backend mid-check and be recorded as its death (found by a review). Blocked since
@@ -119,7 +167,13 @@ def _child_main(conn, requested: str, label: str, env: dict | None = None) -> No
            for p in deviations.problems(d)]
     if bad:
         loaded = registry.LoadedBackend(loaded.name, loaded.source, error="; ".join(bad))
-    conn.send(("loaded", backend_entry(loaded, label), loaded.deviations))
+    try:
+        said = (_plain(backend_entry(loaded, label), "its name, version, capabilities or "
+                       "conventions"), _plain(list(loaded.deviations), "a deviation entry"))
+    except TypeError as exc:
+        loaded = registry.LoadedBackend(str(loaded.name), str(loaded.source), error=str(exc))
+        said = (_plain(backend_entry(loaded, label), "the entry"), [])
+    _send(conn, "loaded", *said)
     if not loaded.available:
         return
     checks = {c.id: c for c in all_checks()}
@@ -130,21 +184,24 @@ def _child_main(conn, requested: str, label: str, env: dict | None = None) -> No
             return
         if msg[0] == "stop":
             return
-        if msg[0] == "bench":
+        kind, job = msg[0], msg[1]
+        if kind == "bench":
             from .bench import measure
 
-            n = measure(loaded, msg[1], repeat=msg[2],
-                        emit=lambda rec: conn.send(("record", rec)))
-            conn.send(("done", n))
+            def emit(rec, job=job):
+                _send(conn, "record", job, rec)
+            n = measure(loaded, msg[2], repeat=msg[3], emit=emit)
+            _send(conn, "done", job, n, None)
             continue
-        _, check_id, dtype, seed, examples, shrink = msg
+        check_id, dtype, seed, examples, shrink = msg[2:]
         before = _compile_seconds(loaded.backend)
+        def emit_record(rec, job=job):
+            _send(conn, "record", job, rec.to_json())
         records = run_check(loaded, checks[check_id], dtype, seed=seed, examples=examples,
-                            timeout=None, shrink=shrink,
-                            emit=lambda rec: conn.send(("record", rec.to_json())))
+                            timeout=None, shrink=shrink, emit=emit_record)
         after = _compile_seconds(loaded.backend)
         spent = None if before is None or after is None else max(after - before, 0.0)
-        conn.send(("done", len(records), spent))
+        _send(conn, "done", job, len(records), spent)
 
 
 def _compile_seconds(backend) -> float | None:
@@ -187,6 +244,8 @@ class Worker:
         self._kill_lock = threading.Lock()
         #: set by close(): no process is started any more
         self.closed = False
+        #: jobs sent so far (each job's number, see run_job)
+        self._jobs = 0
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> bool:
@@ -224,7 +283,7 @@ class Worker:
         to stop the run)."""
         timeout = max(timeout, LOAD_TIMEOUT_MIN_S)
         deadline = time.monotonic() + timeout
-        msg = None
+        msg, garbled = None, ""
         try:
             # in short waits: a child that dies before it takes its end of the pipe (in
             # multiprocessing's start-up, e.g. a main script it cannot find) never closes
@@ -233,17 +292,23 @@ class Worker:
                 if interrupt is not None:
                     interrupt()
                 if self.conn.poll(min(remaining, 0.5)):
-                    msg = self.conn.recv()
+                    msg = _receive(self.conn, self.proc.pid)
                     break
                 if not self.proc.is_alive():
-                    msg = self.conn.recv() if self.conn.poll(0) else None
+                    msg = _receive(self.conn, self.proc.pid) if self.conn.poll(0) else None
                     break
         except (EOFError, OSError, AttributeError):  # (AttributeError: killed meanwhile)
             msg = None
+        except Garbled as exc:
+            msg, garbled = None, str(exc)
+        if msg is not None and (msg[0] != "loaded" or len(msg) != 3
+                                or not isinstance(msg[1], dict) or not isinstance(msg[2], list)):
+            msg, garbled = None, f"its process answered {str(msg)[:80]!r}, not what it loaded"
         if msg is None:
             # the pipe closed or the process ended before the deadline: it died
-            why = (f"loading it took longer than {timeout:g} s" if time.monotonic() >= deadline
-                   else f"its process died while loading it ({self._exit()})")
+            why = (garbled or (f"loading it took longer than {timeout:g} s"
+                               if time.monotonic() >= deadline
+                               else f"its process died while loading it ({self._exit()})"))
             self.kill()
             self.error = why
             if not self.entry:
@@ -326,14 +391,26 @@ class Worker:
                             timeout=timeout, on_record=on_record)
 
     def run_job(self, message: tuple, *, timeout: float, on_record) -> Outcome:
-        """Send one job (a unit, or a bench plan) and collect its records until the child
-        says it is done, the timeout passes or the child dies."""
+        """Send one job (a unit, or a bench plan: its kind, then what it needs) and
+        collect its records until the child says it is done, the timeout passes or the
+        child dies. Every job has a number of its own, which its records and its "done"
+        carry; the child must send at least one record for a unit, and as many as its
+        "done" says. Anything else (a message from another process, one that is not a
+        message, a count that does not add up) ends the job as "broke": the child is
+        killed, and its records so far are kept."""
         received = 0
+        self._jobs += 1
+        job = self._jobs
         try:
-            self.conn.send(message)
+            self.conn.send((message[0], job, *message[1:]))
         except (OSError, ValueError, AttributeError):
             return Outcome("died", 0, f"its process was gone ({self._exit()})")
         deadline = time.monotonic() + timeout
+
+        def broke(why: str) -> Outcome:
+            self.kill()
+            return Outcome("broke", received, f"the backend's process broke the harness's "
+                                              f"protocol: {why}")
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -341,15 +418,34 @@ class Worker:
                 return Outcome("timeout", received)
             try:
                 if not self.conn.poll(min(remaining, 0.5)):
+                    # a dead child whose pipe a process it forked holds open never
+                    # closes it: only its exit tells (found by a review: a crash waited
+                    # out the whole timeout and was recorded as a hang)
+                    if not self.proc.is_alive() and not self.conn.poll(0):
+                        return Outcome("died", received, f"its process died ({self._exit()})")
                     continue
-                msg = self.conn.recv()
+                msg = _receive(self.conn, self.proc.pid)
             except (EOFError, OSError, AttributeError):
                 return Outcome("died", received, f"its process died ({self._exit()})")
-            if msg[0] == "record":
+            except Garbled as exc:
+                return broke(str(exc))
+            kind, rest = msg[0], msg[1:]
+            if not rest or rest[0] != job:
+                return broke(f"a {kind!r} message of job {rest[0] if rest else None!r} came "
+                             f"during job {job}")
+            if kind == "record" and len(rest) == 2 and isinstance(rest[1], dict):
                 received += 1
-                on_record(msg[1])
-            elif msg[0] == "done":
-                return Outcome("done", received, compile_s=msg[2] if len(msg) > 2 else None)
+                on_record(rest[1])
+            elif kind == "done" and len(rest) == 3:
+                said = rest[1]
+                if said != received:
+                    return broke(f"it said {said!r} records and sent {received}")
+                if received == 0 and message[0] == "unit":
+                    return broke("it ended the unit with no record")
+                spent = rest[2] if isinstance(rest[2], (int, float)) else None
+                return Outcome("done", received, compile_s=spent)
+            else:
+                return broke(f"a message {str(msg)[:80]!r} it does not send")
 
     def execute(self, check_id: str, dtype: str, *, seed: int, examples: int, shrink: bool,
                 timeout: float, on_record=None, stopping=None) -> list[dict]:

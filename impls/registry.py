@@ -138,7 +138,12 @@ def load(name_or_source: str) -> LoadedBackend:
     except Exception as exc:  # noqa: BLE001 - any failure of third-party code is reported
         last = traceback.extract_tb(exc.__traceback__)[-1]
         where = f" ({last.filename}:{last.lineno})" if last else ""
-        return LoadedBackend(label, source, error=f"{type(exc).__name__}: {exc}{where}")
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name and \
+                source.split(":")[0].split(".")[0] == exc.name.split(".")[0]:
+            hint = (f" (is the folder holding {exc.name} on PYTHONPATH, or the current "
+                    "folder?)")
+        return LoadedBackend(label, source, error=f"{type(exc).__name__}: {exc}{where}{hint}")
     problems = adapter_problems(obj)
     if problems:
         return LoadedBackend(label, source, error="not a normspec backend: " + "; ".join(problems))

@@ -220,19 +220,21 @@ def build_context(doc: dict) -> dict:
             "total": Counter(r["status"] for r in doc["records"])}
 
 
-def render(docs: list[dict]) -> str:
+def render(docs: list[dict], names: list[str] | None = None) -> str:
     env = jinja2.Environment(loader=jinja2.PackageLoader("normspec.reports", "templates"),
                              autoescape=jinja2.select_autoescape(["html", "j2"]),
                              undefined=jinja2.StrictUndefined)
     # in-memory documents hold records as written (inf as "inf"): read them as numbers
-    doc = results.merge([results.validate(copy.deepcopy(d), "results") for d in docs])
+    doc = results.merge([results.validate(copy.deepcopy(d), "results") for d in docs], names)
     return env.get_template("report.html.j2").render(**build_context(doc))
 
 
-def write_report(docs: list[dict], path) -> Path:
-    """Render, then write atomically: a failed render leaves no half-written file."""
+def write_report(docs: list[dict], path, names: list[str] | None = None) -> Path:
+    """Render, then write atomically: a failed render leaves no half-written file.
+    `names`: the documents' files, which the report names where it leaves records of one
+    out (results.merge)."""
     path = Path(path)
-    page = render(docs)
+    page = render(docs, names)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     # a lone surrogate (a backend's bytes decoded with surrogateescape) as its escape

@@ -183,6 +183,20 @@ def ln_unbiased_std(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 
 
 @ieee
+def ln_unbiased_var(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """y = gamma (x - mu) / sqrt(var_u + eps) + beta with var_u = sum (x - mu)^2 / (d - 1):
+    Bessel's correction, eps inside the root (what a LayerNorm written with a variance
+    function whose default is the unbiased estimator computes). Needs d >= 2."""
+    x, axes, weight, bias, eps = _ln_args(x, normalized_shape, weight, bias, eps)
+    d = _d(x, axes)
+    if d < 2:
+        raise ValueError(f"the unbiased variance needs d >= 2 normalized values, got {d}")
+    mu = _refined_mean(x, axes)
+    var = ((x - mu) ** 2).sum(axis=axes, keepdims=True) / (d - 1)
+    return _ln_affine((x - mu) / np.sqrt(var + eps), weight, bias)
+
+
+@ieee
 def ln_padded_lanes_in_variance(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """Statistics of a kernel that pads the row to P = the next power of two with zeros
     and forgets to mask the centred values: mu = sum(x) / d is right, but each of the
@@ -407,6 +421,12 @@ VARIANTS = (
             "The Annotated Transformer (Harvard NLP): its LayerNorm uses x.std(-1), unbiased "
             "by default in PyTorch, plus eps",
             ln_unbiased_std, layer_norm),
+    Variant("ln.unbiased_var", "layer_norm",
+            "(x - mu) / sqrt(var_unbiased + eps): Bessel-corrected variance, eps inside the root",
+            "LBANN PR #2024 (its LayerNorm and InstanceNorm used the unbiased variance); "
+            "cudnn-frontend PR #432 (a LayerNorm test reference written with torch.var, whose "
+            "default is unbiased)",
+            ln_unbiased_var, layer_norm),
     Variant("ln.padded_lanes_in_variance", "layer_norm",
             "unmasked zero lanes (row padded to a power of two) each add mu^2 to the variance",
             "Liger-Kernel #518 (fix PR #519); triton #9838 (83% error at d = 17); unsloth PR #1867",

@@ -1565,3 +1565,150 @@ class FusedTruncatesResidual(NumpyBackend):
             return res
         exact = x.astype(np.float32) + residual.astype(np.float32)
         return res._replace(residual=truncate_to(exact, x.dtype))
+
+
+# ---------------------------------------------------------------- what the harness trusts
+class _HidesItsModeLayer(OracleBatchNorm):
+    """The NoGradSkipsUpdate bug (a no-grad forward is validation: it never updates the
+    statistics), in a layer whose `training` reads False outside its forwards: a harness
+    that asked the layer which mode it is in would expect no update either."""
+
+    mode = True
+    _running_as = None
+
+    @property
+    def training(self):
+        return False if self._running_as is None else self._running_as
+
+    @training.setter
+    def training(self, value):  # (set by train(), eval() and the constructor)
+        self.mode = value
+
+    def _run(self, mode, x, grad_output):
+        self._running_as = mode
+        try:
+            return super().forward(x, grad_output)
+        finally:
+            self._running_as = None
+
+    def forward(self, x, grad_output=None):
+        return self._run(self.mode, x, grad_output)
+
+    def forward_no_grad(self, x):
+        return self._run(False, x, None).output
+
+
+class HidesItsMode(OracleBackend):
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        return _HidesItsModeLayer(num_features, eps, momentum, affine, track_running_stats,
+                                  np.dtype(dtype), weight, bias)
+
+
+class _NoModeAttributeLayer:
+    """A correct layer with no `training` attribute (the protocol does not require one)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def train(self):
+        self._inner.training = True
+
+    def eval(self):
+        self._inner.training = False
+
+    def forward(self, x, grad_output=None):
+        return self._inner.forward(x, grad_output)
+
+    def forward_no_grad(self, x):
+        return self._inner.forward_no_grad(x)
+
+    running_mean = property(lambda self: self._inner.running_mean)
+    running_var = property(lambda self: self._inner.running_var)
+    num_batches_tracked = property(lambda self: self._inner.num_batches_tracked)
+
+
+class NoModeAttribute(OracleBackend):
+    """Correct: must pass every BatchNorm check."""
+
+    def batch_norm(self, *args, **kwargs):
+        return _NoModeAttributeLayer(super().batch_norm(*args, **kwargs))
+
+
+class _RewritesItsInputLater(Result):
+    """A Result whose attributes, read by the caller after the call returned, write into
+    the input the call was given: an asynchronous kernel's late write."""
+
+    __slots__ = ()
+
+    def _asdict(self):
+        while _LATE_WRITES:
+            x, value = _LATE_WRITES.pop()
+            x[...] = value
+        return super()._asdict()
+
+
+_LATE_WRITES: list = []
+
+
+class RewritesInputLate(NumpyBackend):
+    """Normalizes x^3 instead of x, and writes x^3 into x only when its result is read, so
+    the input looks untouched when the call returns."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        cubed = (x.astype(np.float64) ** 3).astype(x.dtype)
+        res = super().layer_norm(cubed, normalized_shape, weight, bias, eps, grad_output)
+        _LATE_WRITES.append((x, cubed))
+        return _RewritesItsInputLater(*res)
+
+
+class CachesById(AtomicParamGradSums):
+    """AtomicParamGradSums behind a cache of results keyed by the id() of the arrays it is
+    given (and holding them, so that no id is reused): the same objects twice give the
+    cached answer, not a second nondeterministic one."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+
+    def _cached(self, op, args, kwargs):
+        key = (op, *(id(a) if isinstance(a, np.ndarray) else repr(a)
+                     for a in (*args, *kwargs.values())))
+        if key not in self.cache:
+            self.cache[key] = (getattr(super(), op)(*args, **kwargs), args, kwargs)
+        return self.cache[key][0]
+
+    def layer_norm(self, *args, **kwargs):
+        return self._cached("layer_norm", args, kwargs)
+
+    def rms_norm(self, *args, **kwargs):
+        return self._cached("rms_norm", args, kwargs)
+
+    def fused_add_norm(self, *args, **kwargs):
+        return self._cached("fused_add_norm", args, kwargs)
+
+
+class _CountsFractionsLayer(OracleBatchNorm):
+    @property
+    def num_batches_tracked(self):
+        return None if self.rm is None else self.t + 0.9
+
+
+class CountsFractions(OracleBackend):
+    """num_batches_tracked 0.9 above the count: int() would truncate it to the right one."""
+
+    def batch_norm(self, num_features, *, eps, momentum, affine, track_running_stats, dtype,
+                   weight=None, bias=None):
+        return _CountsFractionsLayer(num_features, eps, momentum, affine, track_running_stats,
+                                     np.dtype(dtype), weight, bias)
+
+
+class DataParallelWritesParams(NumpyBackend):
+    """Data-parallel BatchNorm that writes into the caller's gamma and beta (an optimizer
+    step taken on the arrays it was given)."""
+
+    def data_parallel_batch_norm(self, steps, **kwargs):
+        res = super().data_parallel_batch_norm(steps, **kwargs)
+        kwargs["weight"][...] += 1.0
+        kwargs["bias"][...] -= 1.0
+        return res

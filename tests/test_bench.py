@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -415,3 +416,25 @@ def test_ctrl_c_keeps_the_measurements_taken_and_says_the_bench_stopped(monkeypa
     doc = bench.run_bench(["numpy"], items=items, repeat=2, progress=lambda line: None)
     assert (doc["runs"][0]["complete"], doc["runs"][0]["stopped_by"]) == (False, "SIGINT")
     assert [r["shape"] for r in doc["benchmarks"]] == [[16, 64]]
+
+
+def test_each_bench_writes_a_file_of_its_own(tmp_path, monkeypatch):
+    """`normspec bench` wrote results/bench.json every time, over the last bench's numbers
+    (found by a new user)."""
+    from normspec.conformance import cli
+
+    written = []
+
+    def fake_main(args):
+        Path(args.json).write_text("{}", encoding="utf-8")
+        written.append(args.json)
+        return 0
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "main", fake_main)
+    (tmp_path / "results").mkdir()
+    assert cli.main(["bench", "--backend", "numpy"]) == 0
+    assert cli.main(["bench", "--backend", "numpy"]) == 0
+    first, second = written
+    assert first != second and all(p.startswith("results/") and "-bench" in p for p in written)
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(
+        Path(p).name for p in written)

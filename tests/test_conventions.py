@@ -119,8 +119,21 @@ def test_a_malformed_deviation_entry_is_named():
     from normspec.conformance.deviations import problems
 
     assert problems({"check": "F2", "reason": "r"}) == []
+    every = "selects every record: name at least one of check, op, dtype, quantity"
     assert problems({"except_check": ["F2"], "reason": "r"}) == [
-        "except_check must be one string (an id, id prefix or claim id), got ['F2']"]
+        "except_check must be one string (an id, id prefix or claim id), got ['F2']", every]
     assert problems({"checks": "F2"}) == [
         "unknown key 'checks' (known: check, except_check, op, dtype, quantity, reason)",
-        "no reason"]
+        "no reason", every]
+    assert problems({"reason": "known upstream issue"}) == [every]
+    assert problems({"quantity": "protocol", "reason": "r"}) == [
+        "quantity 'protocol': a breach of the protocol is never a deviation"]
+
+
+def test_no_deviation_entry_excuses_a_breach_of_the_protocol():
+    """An entry scoped to the check (found by a review: one meant for F2's ULP noise
+    turned "x modified in place" into a deviation)."""
+    entry = {"check": "F2", "reason": "float32 accumulation differs"}
+    recs = statuses(bb.WritesInput(), "F2.values", deviations=[entry])
+    assert recs and {r.status for r in recs} == {"fail"}
+    assert all(r.quantity == "protocol" and "modified in place" in r.message for r in recs)

@@ -48,6 +48,7 @@ CASES = {
                              _ln(ArraySpec((3, 256), 0, 300.0, 0.05), 256)),
     "ln.eps_outside_sqrt": ("float32", {}, _ln(ArraySpec((3, 64), 0, 0.0, 0.01), 64, eps=1e-2)),
     "ln.unbiased_std": ("float32", {}, _ln(ArraySpec((3, 64), 0, 0.0, 0.01), 64, eps=1e-2)),
+    "ln.unbiased_var": ("float32", {}, _ln(ArraySpec((3, 8), 0, 0.0, 1.0), 8)),
     "ln.padded_lanes_in_variance": ("float32", {}, _ln(ArraySpec((3, 17), 0, 3.0, 1.0), 17)),
     "ln.vjp_constant_statistics": ("float32", {},
                                    _ln(ArraySpec((3, 64), 0, 1.0, 2.0), 64, grad=GRAD64)),

@@ -107,6 +107,15 @@ DEFECTS = {
     "a kernel that drops the tail of rows": (bb.DropsTail, "F2.values", "float32"),
     "an adapter that writes into its input": (bb.WritesInput, "protocol.shape_dtype_inputs",
                                               "float32"),
+    "a write into the input after the call returned": (bb.RewritesInputLate, "F2.values",
+                                                       "float32"),
+    "a no-grad forward that skips the update, its `training` reading False":
+        (bb.HidesItsMode, "B6.no_grad_still_updates", "float32"),
+    "atomic dL/dgamma sums behind a cache keyed by id()": (bb.CachesById, "B9.deterministic",
+                                                           "float32"),
+    "num_batches_tracked a fraction off": (bb.CountsFractions, "F4.running_stats", "float32"),
+    "data-parallel BatchNorm writing into gamma and beta": (bb.DataParallelWritesParams,
+                                                            "DP1.local_per_shard", "float32"),
     "a QK-norm that ignores scale (always 1/sqrt(d_k))": (bb.QkIgnoresScale, "F6.values",
                                                           "float32"),
     "a softcap that ignores cap (always 30)": (bb.SoftcapIgnoresCap, "F7.softcap", "float32"),
@@ -240,6 +249,15 @@ def test_issue_defects_are_caught(defect):
     broken, check_id, dtype = DEFECTS[defect]
     statuses = {r.status for r in run(broken(), check_id, dtype)}
     assert "fail" in statuses
+
+
+@pytest.mark.parametrize("check_id", ["B6.no_grad_still_updates", "F1.matrix", "F5.matrix"])
+def test_a_correct_layer_without_a_training_attribute_passes(check_id):
+    """The mode is the one the harness set, never read back from the layer (a layer need
+    not have `training`: found by a review, 13 false failures)."""
+    records = run(bb.NoModeAttribute(), check_id, "float32")
+    assert records and {r.status for r in records} == {"pass"}, [
+        (r.case, r.message) for r in records if r.status != "pass"]
 
 
 def test_num_batches_tracked_is_compared_where_exposed():

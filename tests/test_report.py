@@ -129,7 +129,19 @@ def test_summary_matches_the_json(merged, capsys):
     cli.print_summary(bad)
     out = capsys.readouterr().out
     fails = sum(r["status"] == "fail" for r in bad["records"])
-    assert f"{fails} failing record(s):" in out
+    assert f"{fails} failing record(s) (" in out
+
+
+def test_a_message_cut_for_the_console_says_so(capsys):
+    """A line cut mid-word with no mark read as the whole message (found by a new user)."""
+    long = "got x, but the spec says " + "y" * 400
+    doc = {"backends": [], "runs": [], "records": [
+        {"backend": "b", "check": "F2.values", "dtype": "float32", "case": "c", "status": "fail",
+         "message": long, "diagnosis": {}}]}
+    cli.print_summary(doc)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("  [fail]"))
+    assert line.endswith("...") and long[:cli.CONSOLE_TEXT - 5] in line and long not in line
 
 
 def chromium() -> str:

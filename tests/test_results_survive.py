@@ -409,6 +409,10 @@ BAD_RUN = [
     (["--replicas", "1"], "'1'"),
     (["--json", "r.json", "--html", "r.json"], "r.json"),
     (["--json", "/dev/null"], "/dev/null"),
+    # what a new user needed: the near miss, where the module must be, the missing folder
+    (["--check", "B9.determinstic"], "did you mean B9.deterministic?"),
+    (["--backend", "my_missing_backend:make"], "my_missing_backend on PYTHONPATH"),
+    (["--json", "/proc/normspec/r.json"], "/proc/normspec does not exist"),
 ]
 
 
@@ -625,3 +629,111 @@ def test_two_runs_of_one_label_started_in_one_second_merge(tmp_path):
     assert merged.returncode == 0, merged.stderr
     twice = normspec(tmp_path, "report", "b.json", "b.json", "-o", "y.html")
     assert twice.returncode == 2 and "count twice" in twice.stderr, twice.stderr
+
+
+def _records_of(tmp_path, *args, timeout=600):
+    proc = normspec(tmp_path, "run", *args, "--dtype", "float32", "--jobs", "1", "--json",
+                    "r.json", "--no-html", "--quiet", timeout=timeout)
+    return proc, results.read(tmp_path / "r.json")
+
+
+def test_a_backend_that_forks_into_the_harness_loses_no_check(tmp_path):
+    """Both processes answered on one pipe: a unit's records came twice and a later unit
+    had none, in a run that said complete and exited 0 (found by a review). Now every
+    check has its records, once, or an error record saying what happened (the forked
+    process may also hang, on a lock a thread held at the fork, and then the worker
+    alone answers: nothing is lost either way)."""
+    proc, doc = _records_of(tmp_path, "--backend", "hostile_backends:ForksIntoTheHarness",
+                            "--backend", "numpy", "--check", "F2.values", "--check",
+                            "F3.values", "--check", "B1")
+    assert doc["runs"][0]["complete"] is True and proc.returncode in (0, 1), proc.stderr
+    counts: dict = {}
+    for r in doc["records"]:
+        counts.setdefault(r["check"], {}).setdefault(r["backend"], []).append(r)
+    assert len(counts) == 4
+    for check, by in counts.items():
+        forked, clean = by["forksintotheharness"], by["numpy"]
+        broke = [r for r in forked if r["status"] == "error"]
+        if broke:
+            assert len(broke) == 1 and ("wrote to the harness's pipe beside" in broke[0]["message"]
+                                        or "not a message" in broke[0]["message"]), broke
+            assert len(forked) <= len(clean) + 1
+        else:
+            assert len(forked) == len(clean) and {r["status"] for r in forked} == {"pass"}, check
+    assert proc.returncode == (1 if any(r["status"] == "error" for r in doc["records"]) else 0)
+
+
+def test_bytes_on_the_harness_pipe_cost_one_check_not_the_run(tmp_path):
+    proc, doc = _records_of(tmp_path, "--backend", "hostile_backends:WritesOnThePipe",
+                            "--check", "F2.values", "--check", "F3.values")
+    assert proc.returncode == 1, proc.stderr
+    broke = [r for r in doc["records"] if r["status"] == "error"]
+    assert [r["check"] for r in broke] == ["F2.values"]
+    assert "not a message" in broke[0]["message"]
+    assert {r["status"] for r in doc["records"] if r["check"] == "F3.values"} == {"pass"}
+
+
+def test_a_death_is_told_from_a_hang_though_a_child_holds_the_pipe(tmp_path):
+    start_s = time.monotonic()
+    proc, doc = _records_of(tmp_path, "--backend", "hostile_backends:DiesLeavingAChild",
+                            "--check", "F2.values", "--timeout", "60")
+    assert time.monotonic() - start_s < 45
+    (died,) = [r for r in doc["records"] if r["status"] == "error"]
+    assert "died (exit code 3)" in died["message"], died["message"]
+
+
+def test_a_base_exception_from_a_backend_is_an_error_record_of_its_case(tmp_path):
+    proc, doc = _records_of(tmp_path, "--backend", "hostile_backends:RaisesABaseException",
+                            "--check", "E1", "--check", "F3.values")
+    errors = [r for r in doc["records"] if r["status"] == "error"]
+    assert errors and all("_KernelAbort: the kernel aborted" in r["message"] for r in errors)
+    assert not any("died" in r["message"] for r in errors)
+    assert {r["status"] for r in doc["records"] if r["check"] == "F3.values"} == {"pass"}
+
+
+def test_a_backend_may_run_processes_of_its_own(tmp_path):
+    proc, doc = _records_of(tmp_path, "--backend", "hostile_backends:RunsAProcessPool",
+                            "--check", "E1")
+    assert proc.returncode == 0, [r["message"] for r in doc["records"] if r["status"] != "pass"]
+
+
+def test_what_a_backend_declares_never_runs_in_the_run_process(tmp_path):
+    """Deviation entries and capabilities reach the run as plain data: a reason whose
+    unpickling called os._exit ended the run with no results (found by a review)."""
+    proc, doc = _records_of(tmp_path, "--backend", "hostile_backends:ReasonRunsCode",
+                            "--check", "F2.values")
+    assert proc.returncode == 0 and doc["runs"][0]["complete"], proc.stderr
+    assert doc["backends"][0]["deviations"] == [{"check": "F2.values", "reason": "documented"}]
+    proc = normspec(tmp_path, "run", "--backend", "hostile_backends:NotPlainDeviation",
+                    "--check", "F2.values", "--json", "n.json", "--no-html", "--quiet")
+    assert proc.returncode == 2
+    assert "not plain data" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_merge_counts_a_check_run_twice_once_the_later_run(tmp_path):
+    """A full run, then one check again under the same label: `normspec report results/`
+    added both runs' records of that check (found by a new user: numba 1443 pass, 101
+    of them twice)."""
+    for checks in (("F2.values", "F3.values"), ("F2.values",)):
+        args = [a for c in checks for a in ("--check", c)]
+        proc = normspec(tmp_path, "run", "--backend", "numpy", *args, "--dtype", "float32",
+                        "--label", "same", "--no-html", "--quiet")
+        assert proc.returncode == 0, proc.stderr
+        time.sleep(1.1)  # (created times a second apart: which run is later)
+    first, second = sorted((tmp_path / "results").glob("*.json"))
+    docs = [results.read(first), results.read(second)]
+    merged = results.merge(docs, [first.name, second.name])
+    counts: dict = {}
+    for r in merged["records"]:
+        counts[r["check"]] = counts.get(r["check"], 0) + 1
+    alone = {c: sum(r["check"] == c for r in docs[0]["records"]) for c in counts}
+    assert counts == alone
+    (left_out,) = merged["superseded"]
+    assert (left_out["check"], left_out["file"], left_out["by"]) == ("F2.values", first.name,
+                                                                     second.name)
+    assert left_out["records"] == alone["F2.values"]
+    proc = normspec(tmp_path, "report", "results", "-o", "m.html")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{left_out['records']} records of 1 unit(s) superseded" in proc.stdout
+    page = (tmp_path / "m.html").read_text(encoding="utf-8")
+    assert f"superseded by results/{second.name}" in page

@@ -111,6 +111,14 @@ def _ln_unbiased_std():
         sv.ln_unbiased_std(np.array([[1.0]]), (1,))
 
 
+def _ln_unbiased_var():
+    x3 = np.array([1.0, 2.0, 3.0])  # unbiased variance 2 / 2 = 1, plus eps 1: / sqrt(2)
+    close(np.array([-1.0, 0.0, 1.0]) / np.sqrt(2.0), sv.ln_unbiased_var(x3, (3,), eps=1.0))
+    close(np.array([-1.0, 0.0, 1.0]) / np.sqrt(2 / 3 + 1), s.layer_norm(x3, (3,), eps=1.0))
+    with pytest.raises(ValueError, match="needs d >= 2"):
+        sv.ln_unbiased_var(np.array([[1.0]]), (1,))
+
+
 def _ln_padded_lanes_in_variance():
     x = np.array([1.0, 2.0, 3.0])  # d 3 padded to 4: mu 2, sum (x - mu)^2 = 2, plus 1 * 2^2
     close([-1 / np.sqrt(2), 0.0, 1 / np.sqrt(2)], sv.ln_padded_lanes_in_variance(x, (3,), eps=0.0))

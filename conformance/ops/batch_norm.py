@@ -34,6 +34,15 @@ def _channel(p, bshape):
     return None if p is None else p.reshape(bshape)
 
 
+def _exact_count(count, steps: int) -> bool:
+    """Whether `count` (an int, a NumPy integer or an integer-valued 0-d array) is `steps`."""
+    try:
+        value = np.asarray(count)
+    except Exception:  # noqa: BLE001 - whatever the layer holds
+        return False
+    return value.shape == () and value.dtype.kind in "iu" and int(value) == steps
+
+
 class BatchNormDriver:
     """A backend BatchNorm layer driven step by step beside the oracle.
 
@@ -58,6 +67,12 @@ class BatchNormDriver:
         # registered even when None, so the repro defines every name it uses
         self.w, self.b = ctx.use(weight=weight if affine else None, bias=bias if affine else None)
         self.steps = 0
+        #: the mode the driver last put the layer in (layers start in training mode),
+        #: which says what a no-grad forward must do: never read back from the layer,
+        #: whose own `training` could say anything (found by a review: a layer whose
+        #: no-grad forward never updated its statistics, and whose `training` always read
+        #: False, passed B6)
+        self.training = True
         #: the last step's output as it was compared (a Judged), for checks that ask more
         self.judged = None
         code = (f"layer = backend.batch_norm({num_features}, eps={eps!r}, momentum={momentum!r}, "
@@ -88,16 +103,13 @@ class BatchNormDriver:
         for name, v in (("running_mean", rm), ("running_var", rv)):
             if not isinstance(v, np.ndarray) or v.dtype not in spec.FLOAT_DTYPES:
                 raise CheckFailure(f"got layer.{name} = {v!r} ({when}), but the protocol says a "
-                                   f"floating NumPy array [layer.{name}]")
+                                   f"floating NumPy array [layer.{name}]", protocol=True)
         return rm.copy(), rv.copy()
-
-    @property
-    def training_flag(self):
-        return bool(getattr(self.layer, "training", True))
 
     def set_mode(self, training: bool):
         self.ctx.call("layer.train()" if training else "layer.eval()",
                       self.layer.train if training else self.layer.eval)
+        self.training = training
 
     # ------------------------------------------------------------ one step
     def step(self, name, x_recipe, *, mode, grad=None, what=None, check_output=True):
@@ -108,7 +120,7 @@ class BatchNormDriver:
         xa = ctx.use(**{name: x_recipe})
         g = ctx.use(**{f"{name}_grad": grad}) if grad is not None else None
         x64 = f64(xa)
-        training = mode == "train" or (mode == "no_grad" and self.training_flag)
+        training = mode == "train" or (mode == "no_grad" and self.training)
         use_batch = training or not self.track
         phase = "train" if use_batch else "eval"
         refusable = self.eps == 0 and not ctx.accepts_eps_zero("batch_norm") and training
@@ -164,7 +176,7 @@ class BatchNormDriver:
         gamma = np.abs(w64).reshape(bshape) if w64 is not None else 1.0
         beta = np.abs(b64).reshape(bshape) if b64 is not None else 0.0
         if check_output:
-            ctx.oracle(f"show({got_name}, expected, name='output')")
+            ctx.oracle(f"show({got_name}, expected, name='output', axes={axes!r})")
             scale = centred_output_scale(x_hat, gamma, beta, axes)
             self.judged = Judged(out, expected, scale, n, kappa)
             ctx.conforms(expected=expected, actual=out, scale=scale,
@@ -225,7 +237,8 @@ class BatchNormDriver:
             ctx.oracle(f"expected_grads = spec.batch_norm_eval_vjp({name}, {name}_grad, rm, rv, "
                        f"weight, bias, {self.e!r})")
         phase = "train" if use_batch else "eval"
-        ctx.oracle("show(result.grad_input, expected_grads[0], name='grad_input')")
+        ctx.oracle(f"show(result.grad_input, expected_grads[0], name='grad_input', "
+                   f"axes={_layout(x64)[0]!r})")
         ctx.conforms(expected=gx, actual=res.grad_input, scale=scale, bound=gx_bound,
                      quantity=f"batch_norm.{phase}.grad_input", call=code,
                      variants=vjp(0) if vjp is not None else None)
@@ -237,7 +250,8 @@ class BatchNormDriver:
         count = getattr(self.layer, "num_batches_tracked", None)
         if count is None:
             return
-        self.ctx.holds(condition=int(count) == self.steps,
+        # exactly: int() would pass a count of steps + 0.9 (found by a review)
+        self.ctx.holds(condition=_exact_count(count, self.steps),
                        got=f"layer.num_batches_tracked = {count}",
                        spec_says=f"{self.steps}, one per training forward with running "
                                  f"statistics (F4)", call=code)

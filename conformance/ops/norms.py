@@ -42,7 +42,7 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
     gamma = np.abs(w64) if w64 is not None else 1.0
     beta = np.abs(b64) if b64 is not None else 0.0
     ctx.oracle(f"expected = spec.layer_norm(x, {shape!r}, weight, bias, {e!r})",
-               "show(result.output, expected, name='output')")
+               f"show(result.output, expected, name='output', axes={axes!r})")
     ctx.conforms(expected=spec.layer_norm(x64, shape, w64, b64, e), actual=res.output,
                  scale=centred_output_scale(x_hat, gamma, beta, axes),
                  bound=bound("output", ctx.dtype, d, kappa), quantity="layer_norm.output",
@@ -61,7 +61,7 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
     r = 1.0 / np.sqrt(x64.var(axis=axes, keepdims=True) + e)
     h = np.abs(g64 * (w64 if w64 is not None else 1.0))
     ctx.oracle(f"expected_grads = spec.layer_norm_vjp(x, {shape!r}, grad, weight, bias, {e!r})",
-               "show(result.grad_input, expected_grads[0], name='grad_input')")
+               f"show(result.grad_input, expected_grads[0], name='grad_input', axes={axes!r})")
     ctx.conforms(expected=gx, actual=res.grad_input,
                  scale=grad_input_scale(r, h, x_hat, axes, centre=True),
                  bound=bound("gradient", ctx.dtype, d, kappa), quantity="layer_norm.grad_input",
@@ -88,7 +88,7 @@ def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None)
     x_r = spec.rms_norm(x64, shape, eps=e)
     gamma = np.abs(w64) if w64 is not None else 1.0
     ctx.oracle(f"expected = spec.rms_norm(x, {shape!r}, weight, {e!r})",
-               "show(result.output, expected, name='output')")
+               f"show(result.output, expected, name='output', axes={axes!r})")
     ctx.conforms(expected=spec.rms_norm(x64, shape, w64, e), actual=res.output,
                  scale=rms_output_scale(x_r, gamma, axes), bound=bound("output", ctx.dtype, d),
                  quantity="rms_norm.output", call=code,
@@ -104,7 +104,7 @@ def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None)
     r = 1.0 / np.sqrt((x64 * x64).mean(axis=axes, keepdims=True) + e)
     h = np.abs(g64 * (w64 if w64 is not None else 1.0))
     ctx.oracle(f"expected_grads = spec.rms_norm_vjp(x, {shape!r}, grad, weight, {e!r})",
-               "show(result.grad_input, expected_grads[0], name='grad_input')")
+               f"show(result.grad_input, expected_grads[0], name='grad_input', axes={axes!r})")
     ctx.conforms(expected=gx, actual=res.grad_input,
                  scale=grad_input_scale(r, h, x_r, axes, centre=False),
                  bound=bound("gradient", ctx.dtype, d), quantity="rms_norm.grad_input", call=code,

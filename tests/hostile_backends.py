@@ -1,0 +1,94 @@
+"""Backends that go for the harness around them rather than the math: each does what code
+in a backend's process can do to a run (fork into it, write on its pipe, die leaving a
+child that holds the pipe, raise an exception that is not an Exception, declare data
+that is not plain, start processes of its own). tests/test_results_survive.py runs
+them through `normspec run`; each must cost its own check at most, with a message."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+from normspec.impls.numpy_ref import NumpyBackend
+
+
+class ForksIntoTheHarness(NumpyBackend):
+    """LayerNorm forks once, and both processes return from it (the child never exits):
+    two processes answer the run on one pipe."""
+
+    forked = False
+
+    def layer_norm(self, *args, **kwargs):
+        if not ForksIntoTheHarness.forked:
+            ForksIntoTheHarness.forked = True
+            os.fork()
+        return super().layer_norm(*args, **kwargs)
+
+
+class WritesOnThePipe(NumpyBackend):
+    """LayerNorm sends bytes that are no message on every pipe end of its process."""
+
+    def layer_norm(self, *args, **kwargs):
+        from multiprocessing.connection import Connection
+
+        for conn in [o for o in gc.get_objects() if isinstance(o, Connection)]:
+            conn.send_bytes(b"\x00 not a message")
+        return super().layer_norm(*args, **kwargs)
+
+
+class DiesLeavingAChild(NumpyBackend):
+    """LayerNorm forks a child that sleeps (holding the pipe open), then exits with 3."""
+
+    def layer_norm(self, *args, **kwargs):
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        os._exit(3)
+
+
+class _KernelAbort(BaseException):
+    """Not an Exception: what `except Exception` lets through."""
+
+
+class RaisesABaseException(NumpyBackend):
+    def layer_norm(self, *args, **kwargs):
+        raise _KernelAbort("the kernel aborted")
+
+
+_POOL = None
+
+
+class RunsAProcessPool(NumpyBackend):
+    """Correct: LayerNorm computed in a process pool of its own, as a backend may."""
+
+    def layer_norm(self, *args, **kwargs):
+        global _POOL
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+
+        if _POOL is None:
+            _POOL = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
+        return _POOL.submit(NumpyBackend().layer_norm, *args, **kwargs).result()
+
+
+class _RunsCodeWhenUnpickled(str):
+    def __reduce__(self):
+        return (os._exit, (7,))
+
+
+class ReasonRunsCode(NumpyBackend):
+    """A deviation reason whose unpickling would end the process that unpickles it."""
+
+    deviations = ({"check": "F2.values", "reason": _RunsCodeWhenUnpickled("documented")},)
+
+
+class NotPlainDeviation(NumpyBackend):
+    """A deviation entry whose reason is an object, not text."""
+
+    deviations = ({"check": "F2.values", "reason": object()},)
+
+
+for _cls in (ForksIntoTheHarness, WritesOnThePipe, DiesLeavingAChild, RaisesABaseException,
+             RunsAProcessPool, ReasonRunsCode, NotPlainDeviation):
+    _cls.name = _cls.__name__.lower()
