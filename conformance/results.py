@@ -14,14 +14,15 @@ reads as an incomplete document.
 Document (schema "normspec-results", version 2; version 1 files are read too):
 
     {"schema": "normspec-results", "version": 2,
-     "runs": [{"run": label, "id": unique hex, "created": ISO time, "seed": int, "host", "cpu", "python",
+     "runs": [{"run": label, "id": unique hex, "created": ISO time, "started": Unix time,
+               "seed": int, "host", "cpu", "python",
                "versions": {package: version}, "argv": [...], "duration_s": float,
                "complete": bool, "stopped_by": "" | "SIGINT" | "SIGTERM" | "killed",
                "planned": int, "not_reached": [[backend, check, dtype], ...],
                "shard": "" | "K/N", "replicas": int}],
      "backends": [{"name", "source", "version", "available", "error",
                    "capabilities", "conventions", "deviations", "run"}],
-     "tolerances": [{"quantity", "base_ulps", "growth", "reason"}],
+     "tolerances": [{"quantity", "base_ulps", "fixed", "growth", "reason"}],
      "records": [Record...],
      "benchmarks": [Benchmark...]}
 
@@ -99,7 +100,7 @@ BENCH_DEFAULTS: dict[str, Any] = {"series": "table", "ms": None, "gbps": None, "
                                   "timed": "", "error": "", "attempts": None, "round": None,
                                   "pid": None,
                                   "run": ""}
-RUN_DEFAULTS: dict[str, Any] = {"id": "", "created": "", "seed": None, "host": "", "cpu": "",
+RUN_DEFAULTS: dict[str, Any] = {"id": "", "created": "", "started": 0.0, "seed": None, "host": "", "cpu": "",
                 "platform": "", "python": "", "versions": {}, "argv": [], "complete": True,
                 "stopped_by": "",
                 "not_reached": [], "shard": "", "replicas": None}
@@ -223,7 +224,8 @@ RECORD_TYPES: dict[str, Any] = {
     "message": str, "quantity": str, "note": str, "inputs": str, "repro": str, "reason": str,
     "run": str, "worst": dict, "diagnosis": dict, "seed": (int, type(None)),
     **{k: _MEASURE for k in MEASURES}}
-RUN_TYPES: dict[str, Any] = {k: (int, type(None)) if v is None else type(v)
+RUN_TYPES: dict[str, Any] = {k: (int, type(None)) if v is None else
+                             (int, float) if isinstance(v, float) else type(v)
                              for k, v in RUN_DEFAULTS.items()}
 BACKEND_TYPES: dict[str, Any] = {k: (str, type(None)) if v is None else type(v)
                                  for k, v in BACKEND_DEFAULTS.items()}
@@ -328,19 +330,27 @@ def _unit(rec: dict) -> tuple:
 
 
 def _newest_units(docs: list[dict]) -> dict[tuple, int]:
-    """Each unit's document: the one whose run of that label was created last (the later
-    document on a tie)."""
-    owner: dict[tuple, tuple[str, int]] = {}
+    """Each unit's document: of the runs that hold it, one that finished it (its
+    `not_reached` does not list it: a killed run's half-done unit never displaces a whole
+    one, found by a review) before one that did not, then the one started last (created,
+    to the second, then `started`, which files written before it lack), then the later
+    document."""
+    owner: dict[tuple, tuple] = {}
     for i, doc in enumerate(docs):
-        created: dict[str, str] = {}
+        when: dict[str, tuple] = {}
+        unfinished: set[tuple] = set()
         for run in doc.get("runs", []):
             label = run.get("run", "")
-            created[label] = max(created.get(label, ""), str(run.get("created") or ""))
+            when[label] = max(when.get(label, ("", 0.0)),
+                              (str(run.get("created") or ""), float(run.get("started") or 0.0)))
+            unfinished |= {(u[0], label, u[1], u[2]) for u in run.get("not_reached") or []
+                           if isinstance(u, list) and len(u) == 3}
         for rec in doc.get("records", []):
-            unit, when = _unit(rec), created.get(rec.get("run", ""), "")
-            if unit not in owner or owner[unit][0] <= when:
-                owner[unit] = (when, i)
-    return {unit: i for unit, (_, i) in owner.items()}
+            unit = _unit(rec)
+            rank = (unit not in unfinished, when.get(unit[1], ("", 0.0)), i)
+            if unit not in owner or owner[unit] <= rank:
+                owner[unit] = rank
+    return {unit: rank[-1] for unit, rank in owner.items()}
 
 
 def merge(docs: list[dict], names: list[str] | None = None) -> dict:

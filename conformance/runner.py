@@ -90,6 +90,9 @@ def run_info(seed: int, label: str) -> dict:
     the same label started in the same second (a merge refuses a run counted twice)."""
     return {"run": label, "id": uuid.uuid4().hex,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            # (to the microsecond: which of two runs of one second is the later, see
+            # results.merge)
+            "started": round(time.time(), 6),
             "seed": seed, "host": platform.node(), "cpu": _cpu(), "platform": platform.platform(),
             "python": sys.version.split()[0], "versions": _versions(), "argv": sys.argv[1:]}
 

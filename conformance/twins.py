@@ -14,7 +14,7 @@ def _root(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def twin(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def twin(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(twin, its buffer, the original buffer): a copy of `a` laid out exactly as `a` is
     (the same strides, and for a view the same offset into a copy of the whole buffer it
     views, gaps included, which a check may have filled with NaN), for the backend to be
@@ -22,10 +22,16 @@ def twin(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     they were whatever the backend does to its twin, then or later (found by a review: a
     backend rewrote x after the inputs had been compared, from code the harness runs
     afterwards, and the oracle then read the rewritten x); and a write anywhere in the
-    buffer, outside the view's elements too, is seen."""
+    buffer, outside the view's elements too, is seen. A subclass (a masked array, a
+    matrix) is handed over as a plain array: the checks pass plain arrays."""
     root = _root(a)
     if not (root.flags.c_contiguous or root.flags.f_contiguous):
-        root = a  # (memory this cannot copy whole: the elements alone)
+        # memory this cannot copy whole (an as_strided or broadcast view, whose base is no
+        # array): the elements alone, compact, and no check of the memory between them
+        copy = np.array(a, order="K", subok=False)
+        if not a.flags.writeable:
+            copy.flags.writeable = False
+        return copy, copy, None
     buffer = root.copy(order="K")
     offset = a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
     # a view of the copied buffer, as `a` is of its own (its base is the buffer: code
@@ -37,12 +43,14 @@ def twin(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return copy, buffer, root
 
 
-def modified(a: np.ndarray, copy: np.ndarray, buffer: np.ndarray, root: np.ndarray) -> str:
+def modified(a: np.ndarray, copy: np.ndarray, buffer: np.ndarray,
+             root: np.ndarray | None) -> str:
     """How the backend changed `copy`, a's twin, bit for bit: "" (not at all), "elements"
-    (an element's bits), "memory" (the buffer's bytes outside the view's elements)."""
+    (an element's bits), "memory" (the buffer's bytes outside the view's elements; not
+    looked at where twin() copied the elements alone, `root` None)."""
     if np.ascontiguousarray(copy).tobytes() != np.ascontiguousarray(a).tobytes():
         return "elements"
-    if not np.array_equal(buffer.ravel(order="K").view(np.uint8),
-                          root.ravel(order="K").view(np.uint8)):
+    if root is not None and not np.array_equal(buffer.ravel(order="K").view(np.uint8),
+                                               root.ravel(order="K").view(np.uint8)):
         return "memory"
     return ""

@@ -61,7 +61,7 @@ def _receive(conn, pid: int | None) -> list:
     raw = conn.recv_bytes(MAX_MESSAGE_BYTES)
     try:
         msg = json.loads(raw)
-    except ValueError:
+    except Exception:  # noqa: BLE001 - not JSON, or JSON too deep to decode (RecursionError)
         raise Garbled(f"the harness's pipe carried {raw[:40]!r}, not a message (did the "
                       "backend write to it?)") from None
     if not (isinstance(msg, list) and len(msg) >= 2 and isinstance(msg[1], str)):
@@ -425,7 +425,14 @@ class Worker:
                         return Outcome("died", received, f"its process died ({self._exit()})")
                     continue
                 msg = _receive(self.conn, self.proc.pid)
-            except (EOFError, OSError, AttributeError):
+            except (EOFError, OSError, AttributeError) as exc:
+                if self.proc is not None:
+                    self.proc.join(2.0)  # (a dying process closes its pipe, then exits)
+                if self.proc is not None and self.proc.is_alive():
+                    # the pipe failed under a live child (a length header past
+                    # MAX_MESSAGE_BYTES closes it): that child answers no more, and
+                    # the next unit must start a fresh one (found by a review)
+                    return broke(f"its pipe failed ({type(exc).__name__}: {exc})")
                 return Outcome("died", received, f"its process died ({self._exit()})")
             except Garbled as exc:
                 return broke(str(exc))

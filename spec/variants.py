@@ -48,8 +48,11 @@ from .layer_norm import _refined_mean, layer_norm, layer_norm_vjp
 from .rms_norm import RMS_NORM_DEFAULT_EPS, rms_norm, rms_norm_vjp
 from .rounding import _check_dtype, round_to, unit_roundoff
 
-Variant = namedtuple("Variant", "id op description seen_in fn reference envelope",
-                     defaults=(None,))
+#: `order_only`: the variant is the spec's own formula summed in another order (its
+#: statistics differ from the oracle's by rounding alone), so where its envelope explains
+#: an output, no formula variant is named for it.
+Variant = namedtuple("Variant", "id op description seen_in fn reference envelope order_only",
+                     defaults=(None, False))
 
 
 # --- helpers --------------------------------------------------------------------------
@@ -157,6 +160,40 @@ def one_pass_statistics_error(x, axes, compute_dtype=np.float32):
     d_sq = (2 * np.abs(mean) + dm) * dm + u * (np.abs(mean) + dm) ** 2
     var_size = msq + d_msq + (np.abs(mean) + dm) ** 2
     return dm, d_msq + d_sq + u * var_size
+
+
+@ieee
+def ln_serial_sum(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
+                  compute_dtype=np.float32):
+    """The spec's LayerNorm with the mean, then the mean of (x - mean)^2, each summed one
+    element at a time in `compute_dtype` (a serial loop's order and precision). The
+    normalization after the statistics is exact."""
+    x, axes, weight, bias, eps = _ln_args(x, normalized_shape, weight, bias, eps)
+    rnd, d = _rounder(compute_dtype), _d(x, axes)
+    xc = rnd(x)
+    mu = _keep(rnd(_sequential_sum(xc, axes, rnd) / d), x, axes)
+    centred = rnd(xc - mu)
+    var = _keep(rnd(_sequential_sum(rnd(centred * centred), axes, rnd) / d), x, axes)
+    return _ln_affine((x - mu) / np.sqrt(var + eps), weight, bias)
+
+
+def two_pass_statistics_error(x, axes, compute_dtype=np.float32):
+    """(mean bound, variance bound), per reduced slice (kept dims): how far the spec's own
+    statistics, the mean and then the mean of (x - mean')^2, computed in `compute_dtype`
+    can lie from the exact ones in ANY summation order (a serial loop included), with
+    one_pass_statistics_error's g_k:
+      |mean' - mean| <= dm = g_(n+1) E|x|
+      sum (x - mean')^2 / n = var + (mean' - mean)^2 exactly, and each term rounds three
+      times (the difference, the square, its addition beside g_(n-1)) and the division
+      once: |var' - var| <= dm^2 + g_(n+3) (var + dm^2)."""
+    x = np.asarray(x, dtype=np.float64)
+    u = unit_roundoff(compute_dtype)
+    n = _d(x, axes)
+    g_mean = (n + 1) * u / (1.0 - (n + 1) * u)
+    g_var = (n + 3) * u / (1.0 - (n + 3) * u)
+    dm = g_mean * np.mean(np.abs(x), axis=axes, keepdims=True)
+    var = np.var(x, axis=axes, keepdims=True)
+    return dm, dm * dm + g_var * (var + dm * dm)
 
 
 @ieee
@@ -363,6 +400,27 @@ def bn_one_pass_variance(x, running_mean, running_var, weight=None, bias=None, m
 
 
 @ieee
+def bn_serial_sum(x, running_mean, running_var, weight=None, bias=None, momentum=0.1,
+                  eps=1e-5, *, compute_dtype=np.float32):
+    """The spec's training BatchNorm with the batch mean, then the mean of (x - mean)^2,
+    each summed one element at a time in `compute_dtype` (a serial loop's order and
+    precision); the running variance is that variance times m / (m - 1)."""
+    x, rm, rv, weight, bias, a, eps = _bn_args(x, running_mean, running_var, weight, bias,
+                                               momentum, eps)
+    axes, m, bshape = _channel_layout(x)
+    _batch_stats(x)  # B3 as the oracle
+    rnd = _rounder(compute_dtype)
+    xc = rnd(x)
+    mu = rnd(_sequential_sum(xc, axes, rnd) / m)
+    centred = rnd(xc - mu.reshape(bshape))
+    var = rnd(_sequential_sum(rnd(centred * centred), axes, rnd) / m)
+    y = _affine((x - mu.reshape(bshape)) / np.sqrt(var.reshape(bshape) + eps), weight, bias, bshape)
+    if rm is None:
+        return y, None, None
+    return y, (1 - a) * rm + a * mu, (1 - a) * rv + a * var * m / (m - 1)
+
+
+@ieee
 def bn_vjp_constant_statistics(x, grad_output, weight=None, bias=None, eps=1e-5):
     """Training-mode BatchNorm backward that treats the batch mean and variance as
     constants (the eval-mode formula applied to a training forward):
@@ -412,6 +470,12 @@ VARIANTS = (
             "onnxruntime #28463 ([40000..40003] gives NaN) and #21935; pytorch #51102; "
             "flax.nnx.LayerNorm use_fast_variance=True (the default)",
             ln_one_pass_variance, _ln_reference, one_pass_statistics_error),
+    Variant("ln.serial_sum", "layer_norm",
+            "the spec's formula with serial sums (one accumulator or a few lanes), not a tree",
+            "CPU loops that sum a row in one accumulator or a few SIMD lanes: up to (n - 1) u "
+            "of the sum where a tree errs by (log2 n + 1) u (Higham, 'The accuracy of floating "
+            "point summation', SISC 1993); below normspec's accuracy bar, not a wrong formula",
+            ln_serial_sum, _ln_reference, two_pass_statistics_error, True),
     Variant("ln.eps_outside_sqrt", "layer_norm",
             "eps added to the standard deviation, (x - mu) / (sqrt(var) + eps)",
             "CNTK #3816 (eps outside the square root)",
@@ -474,6 +538,13 @@ VARIANTS = (
             "Keras and flax.nnx.BatchNorm (momentum 0.99 on the old value); fastestimator PR "
             "#1201, scvi-tools PR #2309 (conventions mixed up)",
             bn_momentum_on_old, batch_norm_train),
+    Variant("bn.serial_sum", "batch_norm_train",
+            "the spec's statistics with serial sums (one accumulator or a few lanes), not a tree",
+            "CPU loops that sum a channel in one accumulator or a few SIMD lanes: up to "
+            "(n - 1) u of the sum where a tree errs by (log2 n + 1) u (Higham, 'The accuracy "
+            "of floating point summation', SISC 1993); below normspec's accuracy bar, not a "
+            "wrong formula",
+            bn_serial_sum, _bn_reference, two_pass_statistics_error, True),
     Variant("bn.one_pass_variance", "batch_norm_train",
             "batch variance as max(0, E[x^2] - E[x]^2) in a narrow compute dtype",
             "flax #1491 (negative variance); flax.nnx.BatchNorm use_fast_variance=True (the "

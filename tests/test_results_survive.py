@@ -673,6 +673,20 @@ def test_bytes_on_the_harness_pipe_cost_one_check_not_the_run(tmp_path):
     assert {r["status"] for r in doc["records"] if r["check"] == "F3.values"} == {"pass"}
 
 
+@pytest.mark.parametrize("name", ["SendsDeepJson", "SendsAHugeLength"])
+def test_what_cannot_be_read_off_the_pipe_costs_one_check(tmp_path, name):
+    """A message too deep to decode ended the run with a traceback and no results file; a
+    length header past the limit closed the pipe under a live worker, and every later
+    check of the backend was recorded as a death (found by a review)."""
+    proc, doc = _records_of(tmp_path, "--backend", f"hostile_backends:{name}", "--check",
+                            "F2.values", "--check", "F3.values", "--check", "B1.rms_norm_shift")
+    assert proc.returncode == 1 and doc["runs"][0]["complete"], proc.stderr
+    broke = [r for r in doc["records"] if r["status"] == "error"]
+    assert [r["check"] for r in broke] == ["F2.values"], broke
+    assert "broke the harness's protocol" in broke[0]["message"]
+    assert {r["status"] for r in doc["records"] if r["check"] != "F2.values"} == {"pass"}
+
+
 def test_a_death_is_told_from_a_hang_though_a_child_holds_the_pipe(tmp_path):
     start_s = time.monotonic()
     proc, doc = _records_of(tmp_path, "--backend", "hostile_backends:DiesLeavingAChild",
@@ -737,3 +751,35 @@ def test_a_merge_counts_a_check_run_twice_once_the_later_run(tmp_path):
     assert f"{left_out['records']} records of 1 unit(s) superseded" in proc.stdout
     page = (tmp_path / "m.html").read_text(encoding="utf-8")
     assert f"superseded by results/{second.name}" in page
+
+
+def _doc(label, created, started, records, not_reached=()):
+    return {"schema": results.SCHEMA, "version": results.VERSION,
+            "runs": [{"run": label, "id": f"{label}{created}{started}", "created": created,
+                      "started": started, "complete": not not_reached,
+                      "not_reached": [list(u) for u in not_reached]}],
+            "backends": [], "tolerances": [], "benchmarks": [],
+            "records": [{"backend": "b", "check": "F2.values", "claim": "F2", "op": "layer_norm",
+                         "dtype": "float32", "case": f"case {k}", "status": status,
+                         "run": label} for k, status in enumerate(records)]}
+
+
+def test_a_killed_run_never_displaces_a_unit_an_earlier_run_finished():
+    """A run killed in the middle of a check (the unit in its not_reached) came after a
+    whole run of it, and its one record hid the whole run's six, three fails among them
+    (found by a review)."""
+    whole = _doc("same", "2026-12-02T01:00:00+00:00", 1.0, ["fail"] * 3 + ["pass"] * 3)
+    killed = _doc("same", "2026-12-02T02:00:00+00:00", 2.0, ["pass"],
+                  not_reached=[("b", "F2.values", "float32")])
+    merged = results.merge([whole, killed], ["whole.json", "killed.json"])
+    assert [r["status"] for r in merged["records"]] == ["fail"] * 3 + ["pass"] * 3
+    assert merged["superseded"][0]["file"] == "killed.json"
+
+
+def test_of_two_runs_in_one_second_the_one_started_later_counts():
+    """created is to the second; the later run of that second counts, whatever order the
+    files are given in (a folder lists `...Z-label-2.json`, the later, first)."""
+    first = _doc("same", "2026-12-02T01:00:00+00:00", 100.25, ["fail"])
+    later = _doc("same", "2026-12-02T01:00:00+00:00", 100.75, ["pass"])
+    for docs in ([first, later], [later, first]):
+        assert [r["status"] for r in results.merge(docs)["records"]] == ["pass"]
