@@ -378,25 +378,36 @@ def bn_momentum_on_old(x, running_mean, running_var, weight=None, bias=None, mom
     return y, a * rm + (1 - a) * new_m, a * rv + (1 - a) * new_v
 
 
+def _bn_with_statistics(x, running_mean, running_var, weight, bias, momentum, eps,
+                        compute_dtype, statistics):
+    """Training BatchNorm whose batch mean and variance are `statistics(xc, axes, m,
+    bshape, rnd)`, taken from x rounded to `compute_dtype` with `rnd` rounding to it; the
+    normalization after them exact, the running variance that variance times
+    m / (m - 1)."""
+    x, rm, rv, weight, bias, a, eps = _bn_args(x, running_mean, running_var, weight, bias,
+                                               momentum, eps)
+    axes, m, bshape = _channel_layout(x)
+    _batch_stats(x)  # B3 as the oracle
+    rnd = _rounder(compute_dtype)
+    mu, var = statistics(rnd(x), axes, m, bshape, rnd)
+    y = _affine((x - mu.reshape(bshape)) / np.sqrt(var.reshape(bshape) + eps), weight, bias, bshape)
+    if rm is None:
+        return y, None, None
+    return y, (1 - a) * rm + a * mu, (1 - a) * rv + a * var * m / (m - 1)
+
+
 @ieee
 def bn_one_pass_variance(x, running_mean, running_var, weight=None, bias=None, momentum=0.1,
                          eps=1e-5, *, compute_dtype=np.float32):
     """Batch statistics as var = max(0, E[x^2] - E[x]^2), with x, the sums and the
     subtraction in `compute_dtype` (the clamp stops negative variances but not the lost
     digits). The running variance is that variance times m / (m - 1)."""
-    x, rm, rv, weight, bias, a, eps = _bn_args(x, running_mean, running_var, weight, bias,
-                                               momentum, eps)
-    axes, m, bshape = _channel_layout(x)
-    _batch_stats(x)  # B3 as the oracle
-    rnd = _rounder(compute_dtype)
-    xc = rnd(x)
-    mu = rnd(_sequential_sum(xc, axes, rnd) / m)
-    msq = rnd(_sequential_sum(rnd(xc * xc), axes, rnd) / m)
-    var = np.maximum(0.0, rnd(msq - rnd(mu * mu)))
-    y = _affine((x - mu.reshape(bshape)) / np.sqrt(var.reshape(bshape) + eps), weight, bias, bshape)
-    if rm is None:
-        return y, None, None
-    return y, (1 - a) * rm + a * mu, (1 - a) * rv + a * var * m / (m - 1)
+    def one_pass(xc, axes, m, bshape, rnd):
+        mu = rnd(_sequential_sum(xc, axes, rnd) / m)
+        msq = rnd(_sequential_sum(rnd(xc * xc), axes, rnd) / m)
+        return mu, np.maximum(0.0, rnd(msq - rnd(mu * mu)))
+    return _bn_with_statistics(x, running_mean, running_var, weight, bias, momentum, eps,
+                               compute_dtype, one_pass)
 
 
 @ieee
@@ -405,19 +416,12 @@ def bn_serial_sum(x, running_mean, running_var, weight=None, bias=None, momentum
     """The spec's training BatchNorm with the batch mean, then the mean of (x - mean)^2,
     each summed one element at a time in `compute_dtype` (a serial loop's order and
     precision); the running variance is that variance times m / (m - 1)."""
-    x, rm, rv, weight, bias, a, eps = _bn_args(x, running_mean, running_var, weight, bias,
-                                               momentum, eps)
-    axes, m, bshape = _channel_layout(x)
-    _batch_stats(x)  # B3 as the oracle
-    rnd = _rounder(compute_dtype)
-    xc = rnd(x)
-    mu = rnd(_sequential_sum(xc, axes, rnd) / m)
-    centred = rnd(xc - mu.reshape(bshape))
-    var = rnd(_sequential_sum(rnd(centred * centred), axes, rnd) / m)
-    y = _affine((x - mu.reshape(bshape)) / np.sqrt(var.reshape(bshape) + eps), weight, bias, bshape)
-    if rm is None:
-        return y, None, None
-    return y, (1 - a) * rm + a * mu, (1 - a) * rv + a * var * m / (m - 1)
+    def two_pass(xc, axes, m, bshape, rnd):
+        mu = rnd(_sequential_sum(xc, axes, rnd) / m)
+        centred = rnd(xc - mu.reshape(bshape))
+        return mu, rnd(_sequential_sum(rnd(centred * centred), axes, rnd) / m)
+    return _bn_with_statistics(x, running_mean, running_var, weight, bias, momentum, eps,
+                               compute_dtype, two_pass)
 
 
 @ieee
