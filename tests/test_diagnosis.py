@@ -102,6 +102,22 @@ def test_every_variant_is_covered():
     assert set(CASES) | set(WITHIN_BOUND) | set(SERIAL) == {v.id for v in VARIANTS}
 
 
+@pytest.mark.parametrize(("body", "variant_id"), [
+    (_bn(ArraySpec((8192, 2), 0, 30.0, 1.0)), "bn.one_pass_variance"),
+    (_ln(ArraySpec((2, 8192), 0, 300.0, 1.0), 8192), "ln.one_pass_variance"),
+    (_bn(ArraySpec((65536, 2), 0, 1000.0, 1.0)), "bn.one_pass_variance")])
+def test_a_one_pass_variance_is_never_called_a_summation_order(body, variant_id):
+    """With the worst-case serial envelope (n u), whose dm^2 reaches any variance at
+    n^2 u > 1, these real one-pass variances were diagnosed as serial sums (found by a
+    review); the serial envelope is the probabilistic one now."""
+    import broken_backends as bb
+
+    rec = _record(bb.NaiveVariance(), "float32", body)
+    assert rec.status == "fail"
+    assert variant_id in rec.diagnosis["matches"], rec.diagnosis
+    assert not any(m.endswith("serial_sum") for m in rec.diagnosis["matches"]), rec.diagnosis
+
+
 @pytest.mark.parametrize("variant_id", sorted(SERIAL))
 def test_a_serial_sum_is_diagnosed_as_the_order_not_as_another_formula(variant_id):
     """A kernel that sums a long row or channel serially misses the tree-reduction bound;

@@ -5,6 +5,7 @@ The table below is the proof, check by check."""
 from __future__ import annotations
 
 import broken_backends as bb
+import numpy as np
 import pytest
 from normspec.conformance import runner
 from normspec.conformance.checks import all_checks
@@ -320,3 +321,45 @@ def test_bias_of_an_untracked_layer_is_asked_only_of_a_backend_that_has_one():
     by_status = {r.status: r for r in records}
     assert sorted(r.status for r in records) == ["pass", "pass", "unsupported"]
     assert "untracked_stats = False" in by_status["unsupported"].message
+
+
+def test_the_allowance_for_reported_statistics_is_each_channels_own():
+    """bfloat16 eval whose channel 0 uses the batch's statistics (21 ULPs off): with a
+    second channel of running mean 50, the allowance of the worst channel (kappa 51 ULPs)
+    was added to every channel's bound, and the bug passed (found by a review)."""
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops.batch_norm import BatchNormDriver
+    from normspec.impls.protocol import np_dtype
+
+    class ChannelZeroFromBatch(bb.OracleBackend):
+        def batch_norm(self, *args, **kwargs):
+            layer = super().batch_norm(*args, **kwargs)
+            forward = layer.forward
+
+            def eval_channel_zero_from_batch(x, grad_output=None):
+                res = forward(x, grad_output)
+                if layer.training:
+                    return res
+                x0 = np.asarray(x, np.float64)[:, 0]
+                y = np.array(res.output)
+                y[:, 0] = ((x0 - x0.mean()) / np.sqrt(x0.var() + layer.eps) * layer.w[0]
+                           + layer.b[0]).astype(y.dtype)
+                return res._replace(output=y)
+            layer.forward = eval_channel_zero_from_batch
+            return layer
+
+    backend = ChannelZeroFromBatch()
+    ctx = Context(backend_name="channel0", source="tests", backend=backend, check_id="t",
+                  claim="F5", op="batch_norm", dtype=np_dtype("bfloat16"), seed=0, examples=1,
+                  conventions=backend.conventions)
+    rng = np.random.default_rng(3)
+    train, test = rng.normal(size=(64, 2)), 1.15 * rng.normal(size=(64, 2))
+    train[:, 1] += 50.0
+    test[:, 1] += 50.0
+    with np.errstate(all="ignore"), ctx.case("eval, channel means 0 and 50"):
+        driver = BatchNormDriver(ctx, 2, momentum=1.0)  # running mean of channel 1: 50
+        driver.step("x", Literal.of(train), mode="train")
+        driver.set_mode(False)
+        driver.step("x_test", Literal.of(test), mode="eval")
+    assert ctx.records[-1].status == "fail", ctx.records[-1].message

@@ -58,6 +58,6 @@ def compare_param_grads(ctx, code, prefix, g64, x_hat, sum_axes, expected_w, exp
     if expected_b is not None:
         ctx.oracle("show(result.grad_bias, expected_grads[2], name='grad_bias')")
         ctx.conforms(expected=expected_b, actual=res.grad_bias, scale=b_scale,
-                     bound=bound("param_gradient", ctx.dtype, n, bias_kappa),
+                     bound=bound("bias_gradient", ctx.dtype, n, bias_kappa),
                      quantity=f"{prefix}.grad_bias", call=code,
                      variants=variants(2) if variants else None)

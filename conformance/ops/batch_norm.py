@@ -181,7 +181,11 @@ class BatchNormDriver:
             ctx.oracle(f"show({got_name}, expected, name='output', axes={axes!r})")
             scale = centred_output_scale(x_hat, gamma, beta, axes)
             self.judged = Judged(out, expected, scale, n, kappa)
-            held = 0.0 if use_batch else reported_stats_ulps(self.rm.dtype, ctx.dtype, kappa)
+            held = 0.0 if use_batch else reported_stats_ulps(
+                ctx.dtype, scale, mean_dtype=self.rm.dtype, var_dtype=self.rv.dtype,
+                mean_term=np.abs(mean.reshape(bshape)) * gamma
+                / np.sqrt(var.reshape(bshape) + self.e),
+                var_term=0.5 * np.abs(x_hat) * gamma)
             ctx.conforms(expected=expected, actual=out, scale=scale,
                          bound=bound("output", ctx.dtype, n, kappa) + held,
                          quantity=f"batch_norm.{phase}.output", what=what, call=code,
@@ -237,7 +241,7 @@ class BatchNormDriver:
             scale = r * np.max(h, axis=axes, keepdims=True)
             # dL/dbeta = sum g whatever the statistics: nothing is centred in it
             gx_bound = bound("eval_gradient", ctx.dtype, 1) + reported_stats_ulps(
-                self.rm.dtype, ctx.dtype, 0.5)
+                ctx.dtype, scale, var_dtype=self.rv.dtype, var_term=0.5 * np.abs(gx))
             bias_kappa = 1.0
             ctx.oracle(f"expected_grads = spec.batch_norm_eval_vjp({name}, {name}_grad, rm, rv, "
                        f"weight, bias, {self.e!r})")

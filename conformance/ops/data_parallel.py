@@ -219,9 +219,9 @@ class DataParallelRun:
             total = sum(gq.size for gq in self.gs[t])
             k = float(np.max(kappa))
             scales["replica_grad_weight"] = (ws, bound("param_gradient", ctx.dtype, g.size, k))
-            scales["replica_grad_bias"] = (bs, bound("param_gradient", ctx.dtype, g.size))
+            scales["replica_grad_bias"] = (bs, bound("bias_gradient", ctx.dtype, g.size))
             scales["grad_weight"] = (all_ws / self.world, bound("param_gradient", ctx.dtype, total, k))
-            scales["grad_bias"] = (all_bs / self.world, bound("param_gradient", ctx.dtype, total))
+            scales["grad_bias"] = (all_bs / self.world, bound("bias_gradient", ctx.dtype, total))
             rm_scale, rv_scale = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], grp, n,
                                                      a, axes)
             for f in fields:
