@@ -182,6 +182,8 @@ def ln_serial_sum(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
 #: terms exceeds lambda sqrt(n) u sum|terms| with probability below 1e-5 (Higham and
 #: Mary's model, n 2 exp(-lambda^2 / 2)).
 SERIAL_LAMBDA = 7.0
+#: The longest reduction that bound is claimed for.
+SERIAL_MAX_N = 1 << 17
 
 
 def two_pass_statistics_error(x, axes, compute_dtype=np.float32):
@@ -194,14 +196,20 @@ def two_pass_statistics_error(x, axes, compute_dtype=np.float32):
     once n^2 u exceeds 1, and a real one-pass variance or a kernel that drops elements
     fitted in it (found by a review); the typical serial error does not.
       |mean' - mean| <= dm = lambda sqrt(n + 1) u E|x|
-      sum (x - mean')^2 / n = var + (mean' - mean)^2 exactly, each term rounds three times
-      and the division once: |var' - var| <= dm^2 + lambda sqrt(n + 3) u (var + dm^2)."""
+      sum (x - mean')^2 / n = var + (mean' - mean)^2 exactly, each term rounds four times
+      (the difference, twice in its square, the square, its addition) and the division
+      once: |var' - var| <= dm^2 + lambda sqrt(n + 5) u (var + dm^2).
+    Past SERIAL_MAX_N values the probability is not claimed (and dm^2 nears a one-pass
+    variance's error): no envelope there, (0, 0)."""
     x = np.asarray(x, dtype=np.float64)
     u = unit_roundoff(compute_dtype)
     n = _d(x, axes)
-    dm = SERIAL_LAMBDA * np.sqrt(n + 1) * u * np.mean(np.abs(x), axis=axes, keepdims=True)
+    mean_abs = np.mean(np.abs(x), axis=axes, keepdims=True)
+    if n > SERIAL_MAX_N:
+        return np.zeros_like(mean_abs), np.zeros_like(mean_abs)
+    dm = SERIAL_LAMBDA * np.sqrt(n + 1) * u * mean_abs
     var = np.var(x, axis=axes, keepdims=True)
-    return dm, dm * dm + SERIAL_LAMBDA * np.sqrt(n + 3) * u * (var + dm * dm)
+    return dm, dm * dm + SERIAL_LAMBDA * np.sqrt(n + 5) * u * (var + dm * dm)
 
 
 @ieee

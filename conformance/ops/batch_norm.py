@@ -251,8 +251,17 @@ class BatchNormDriver:
         ctx.conforms(expected=gx, actual=res.grad_input, scale=scale, bound=gx_bound,
                      quantity=f"batch_norm.{phase}.grad_input", call=code,
                      variants=vjp(0) if vjp is not None else None)
+        held = None
+        if not use_batch:
+            # dL/dgamma = sum g (x - rm) r: the reported mean moves each term by u_s |rm| r
+            # |g|, the variance by u_s / 2 |g x_hat|
+            def held(w_scale):
+                return reported_stats_ulps(
+                    ctx.dtype, w_scale, mean_dtype=self.rm.dtype, var_dtype=self.rv.dtype,
+                    mean_term=(np.abs(mean.reshape(bshape)) * r * np.abs(g64)).sum(axis=axes),
+                    var_term=0.5 * np.abs(g64 * x_hat).sum(axis=axes))
         compare_param_grads(ctx, code, f"batch_norm.{phase}", g64, x_hat, axes, gw, gb, res,
-                            kappa, bias_kappa=bias_kappa, variants=vjp)
+                            kappa, bias_kappa=bias_kappa, variants=vjp, held=held)
 
     def _compare_count(self, code):
         """num_batches_tracked, where the layer exposes one: the training forwards so far."""
