@@ -42,3 +42,29 @@ class CountsInFloats(OracleBackend):
                    weight=None, bias=None):
         return _CountsInFloatsLayer(num_features, eps, momentum, affine, track_running_stats,
                                     np.dtype(dtype), weight, bias)
+
+
+def eval_after_train(backend, dtype: str, *, seed: int, spread: float, grad: bool):
+    """The record of one case: a BatchNorm layer of 2 channels trained on one batch of
+    channel means 0 and 50 (momentum 1: running mean 50), then in eval on another batch
+    of spread `spread`, with an upstream gradient if `grad`."""
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops.batch_norm import BatchNormDriver
+    from normspec.impls.protocol import np_dtype
+
+    ctx = Context(backend_name=backend.name, source="tests", backend=backend, check_id="t",
+                  claim="F5", op="batch_norm", dtype=np_dtype(dtype), seed=0, examples=1,
+                  conventions=backend.conventions)
+    rng = np.random.default_rng(seed)
+    train, test, g = rng.normal(size=(64, 2)), spread * rng.normal(size=(64, 2)), rng.normal(
+        size=(64, 2))
+    train[:, 1] += 50.0
+    test[:, 1] += 50.0
+    with np.errstate(all="ignore"), ctx.case("eval after training, channel means 0 and 50"):
+        driver = BatchNormDriver(ctx, 2, momentum=1.0)
+        driver.step("x", Literal.of(train), mode="train")
+        driver.set_mode(False)
+        driver.step("x_test", Literal.of(test), mode="eval",
+                    grad=Literal.of(g) if grad else None)
+    return ctx.records[-1]
