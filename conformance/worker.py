@@ -185,20 +185,20 @@ def _child_main(conn, requested: str, label: str, env: dict | None = None) -> No
         if msg[0] == "stop":
             return
         kind, job = msg[0], msg[1]
+
+        def emit(rec, job=job):
+            """A record of this job (a bench's is a dict, a check's a Record)."""
+            _send(conn, "record", job, rec if isinstance(rec, dict) else rec.to_json())
         if kind == "bench":
             from .bench import measure
 
-            def emit(rec, job=job):
-                _send(conn, "record", job, rec)
             n = measure(loaded, msg[2], repeat=msg[3], emit=emit)
             _send(conn, "done", job, n, None)
             continue
         check_id, dtype, seed, examples, shrink = msg[2:]
         before = _compile_seconds(loaded.backend)
-        def emit_record(rec, job=job):
-            _send(conn, "record", job, rec.to_json())
         records = run_check(loaded, checks[check_id], dtype, seed=seed, examples=examples,
-                            timeout=None, shrink=shrink, emit=emit_record)
+                            timeout=None, shrink=shrink, emit=emit)
         after = _compile_seconds(loaded.backend)
         spent = None if before is None or after is None else max(after - before, 0.0)
         _send(conn, "done", job, len(records), spent)

@@ -181,11 +181,9 @@ class BatchNormDriver:
             ctx.oracle(f"show({got_name}, expected, name='output', axes={axes!r})")
             scale = centred_output_scale(x_hat, gamma, beta, axes)
             self.judged = Judged(out, expected, scale, n, kappa)
-            held = 0.0 if use_batch else reported_stats_ulps(
-                ctx.dtype, scale, mean_dtype=self.rm.dtype, var_dtype=self.rv.dtype,
-                mean_term=np.abs(mean.reshape(bshape)) * gamma
-                / np.sqrt(var.reshape(bshape) + self.e),
-                var_term=0.5 * np.abs(x_hat) * gamma)
+            held = 0.0 if use_batch else self._reported(
+                scale, np.abs(mean.reshape(bshape)) * gamma / np.sqrt(var.reshape(bshape) + self.e),
+                0.5 * np.abs(x_hat) * gamma)
             ctx.conforms(expected=expected, actual=out, scale=scale,
                          bound=bound("output", ctx.dtype, n, kappa) + held,
                          quantity=f"batch_norm.{phase}.output", what=what, call=code,
@@ -240,8 +238,8 @@ class BatchNormDriver:
             # the channel's largest |gamma g r|: the group's scale, as for every quantity
             scale = r * np.max(h, axis=axes, keepdims=True)
             # dL/dbeta = sum g whatever the statistics: nothing is centred in it
-            gx_bound = bound("eval_gradient", ctx.dtype, 1) + reported_stats_ulps(
-                ctx.dtype, scale, var_dtype=self.rv.dtype, var_term=0.5 * np.abs(gx))
+            gx_bound = bound("eval_gradient", ctx.dtype, 1) + self._reported(
+                scale, 0.0, 0.5 * np.abs(gx))
             bias_kappa = 1.0
             ctx.oracle(f"expected_grads = spec.batch_norm_eval_vjp({name}, {name}_grad, rm, rv, "
                        f"weight, bias, {self.e!r})")
@@ -256,12 +254,19 @@ class BatchNormDriver:
             # dL/dgamma = sum g (x - rm) r: the reported mean moves each term by u_s |rm| r
             # |g|, the variance by u_s / 2 |g x_hat|
             def held(w_scale):
-                return reported_stats_ulps(
-                    ctx.dtype, w_scale, mean_dtype=self.rm.dtype, var_dtype=self.rv.dtype,
-                    mean_term=(np.abs(mean.reshape(bshape)) * r * np.abs(g64)).sum(axis=axes),
-                    var_term=0.5 * np.abs(g64 * x_hat).sum(axis=axes))
+                return self._reported(
+                    w_scale, (np.abs(mean.reshape(bshape)) * r * np.abs(g64)).sum(axis=axes),
+                    0.5 * np.abs(g64 * x_hat).sum(axis=axes))
         compare_param_grads(ctx, code, f"batch_norm.{phase}", g64, x_hat, axes, gw, gb, res,
                             kappa, bias_kappa=bias_kappa, variants=vjp, held=held)
+
+    def _reported(self, scale, mean_term, var_term):
+        """ULPs an eval quantity at `scale` may be off for the running statistics this
+        layer reports (tolerances.reported_stats_ulps): `mean_term` and `var_term` are
+        what a relative change of u_s in the mean or the variance moves it by, per u_s."""
+        return reported_stats_ulps(self.ctx.dtype, scale, mean_dtype=self.rm.dtype,
+                                   var_dtype=self.rv.dtype, mean_term=mean_term,
+                                   var_term=var_term)
 
     def _compare_count(self, code):
         """num_batches_tracked, where the layer exposes one: the training forwards so far."""

@@ -72,13 +72,15 @@ class DataParallelRun:
         twins = {id(a): twin(a) for a in (*(a for row in self.xs + self.gs for a in row),
                                            self.w, self.b) if isinstance(a, np.ndarray)}
 
-        def twin_rows(rows):
-            return [[twins[id(a)][0] for a in row] for row in rows]
+        def handed(a):
+            return twins[id(a)][0] if id(a) in twins else a
+
+        def rows(shards):
+            return [[handed(a) for a in row] for row in shards]
         res = ctx.call(self.code, lambda: ctx.backend.data_parallel_batch_norm(
-            twin_rows(self.xs), sync=self.sync, eps=self.eps, momentum=self.momentum,
-            dtype=ctx.dtype, weight=twins[id(self.w)][0] if id(self.w) in twins else self.w,
-            bias=twins[id(self.b)][0] if id(self.b) in twins else self.b,
-            grad_outputs=twin_rows(self.gs)), refusable=refusable)
+            rows(self.xs), sync=self.sync, eps=self.eps, momentum=self.momentum,
+            dtype=ctx.dtype, weight=handed(self.w), bias=handed(self.b),
+            grad_outputs=rows(self.gs)), refusable=refusable)
         for name, arrays in (("an input shard", [a for row in self.xs for a in row]),
                              ("a gradient shard", [a for row in self.gs for a in row]),
                              ("weight", [self.w]), ("bias", [self.b])):
