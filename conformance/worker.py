@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Any
@@ -99,6 +100,52 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except OSError:
         pass  # gone already, or the child could not make its group (then pid is not one)
+
+
+#: The environment variable that marks a worker child's processes: the child is spawned
+#: with it (Worker.start), so every process it starts inherits it, and one that leaves
+#: its process group (setsid: a daemon) still carries it in the environment it began
+#: with (/proc/<pid>/environ), where _kill_tagged finds it. A process that the backend
+#: starts with an environment of its own making does not carry it.
+TAG = "NORMSPEC_WORKER_TAG"
+#: Held while the run's environment holds a child's tag (the spawn inherits it).
+_SPAWN_LOCK = threading.Lock()
+
+
+def _tagged(tag: str) -> list[int]:
+    """The processes (Linux: /proc) that began with TAG=tag in their environment."""
+    entry = f"{TAG}={tag}".encode()
+    found = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found  # not Linux: the process group is all there is
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:
+            continue  # gone meanwhile, or another user's
+    return found
+
+
+def _kill_tagged(tag: str) -> None:
+    """SIGKILL to every process that carries a worker's tag (those that left its process
+    group), until none is left: one may fork while the others are being killed."""
+    if not tag:
+        return
+    for _ in range(10):
+        pids = [p for p in _tagged(tag) if p != os.getpid()]
+        if not pids:
+            return
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _die_with_parent() -> None:
@@ -234,6 +281,8 @@ class Worker:
         self.proc: Any = None
         self.conn: Any = None
         self._group_killed = False  # (see kill)
+        #: the mark of this worker's processes (see TAG); a new one at each start
+        self.tag = ""
         self.entry: dict = {}
         self.deviations: list = []
         self.error: str | None = None
@@ -264,12 +313,22 @@ class Worker:
             self.proc = ctx.Process(target=_child_main,
                                     args=(child, self.requested, self.label, self.env),
                                     name=f"normspec-{self.requested}", daemon=True)
+            self.tag = uuid.uuid4().hex
             # the child starts with the stop signals blocked (the mask survives the spawn)
             # until it ignores them: a Ctrl-C during its start-up printed its traceback
             mask = (signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
                     if hasattr(signal, "pthread_sigmask") else None)
             try:
-                self.proc.start()
+                with _SPAWN_LOCK:
+                    before = os.environ.get(TAG)
+                    os.environ[TAG] = self.tag  # the spawn's environment (see TAG)
+                    try:
+                        self.proc.start()
+                    finally:
+                        if before is None:
+                            del os.environ[TAG]
+                        else:
+                            os.environ[TAG] = before
             finally:
                 if mask is not None:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -354,9 +413,11 @@ class Worker:
                 if not self._group_killed:
                     # the child and whatever it forked; once per process, at the first
                     # kill, while its id is still its group's (never again later, when
-                    # the reaped id may name another process group)
+                    # the reaped id may name another process group); then what left
+                    # the group, by its tag
                     self._group_killed = True
                     _kill_group(proc.pid)
+                    _kill_tagged(self.tag)
                 if proc.is_alive():
                     proc.kill()
                 proc.join(5.0)

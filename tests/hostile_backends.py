@@ -47,6 +47,29 @@ class DiesLeavingAChild(NumpyBackend):
         os._exit(3)
 
 
+class LeavesADaemon(NumpyBackend):
+    """Correct, but its first LayerNorm call starts a daemon (two forks, setsid between:
+    out of the worker's process group) that sleeps for five minutes, its pid written to
+    the file $DAEMON_PID_FILE."""
+
+    def layer_norm(self, *args, **kwargs):
+        if not getattr(self, "started", False):
+            self.started = True
+            middle = os.fork()
+            if middle == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    null = os.open(os.devnull, os.O_RDWR)
+                    for fd in (0, 1, 2):  # as daemons do: the run's output is not held
+                        os.dup2(null, fd)
+                    with open(os.environ["DAEMON_PID_FILE"], "w") as f:
+                        f.write(str(os.getpid()))
+                    time.sleep(300)
+                os._exit(0)
+            os.waitpid(middle, 0)
+        return super().layer_norm(*args, **kwargs)
+
+
 class _KernelAbort(BaseException):
     """Not an Exception: what `except Exception` lets through."""
 

@@ -5,6 +5,7 @@ own, and looks at what is on disk afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -694,6 +695,38 @@ def test_a_death_is_told_from_a_hang_though_a_child_holds_the_pipe(tmp_path):
     assert time.monotonic() - start_s < 45
     (died,) = [r for r in doc["records"] if r["status"] == "error"]
     assert "died (exit code 3)" in died["message"], died["message"]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # killed, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="processes are found in /proc")
+def test_a_daemon_a_backend_starts_ends_with_its_process(tmp_path):
+    """A process that left the worker's process group (setsid) outlived the run (the
+    README said so), and held the run's output open through the resource tracker's pipe
+    it inherited: a caller reading that output (CI) waited for the daemon to end. It is
+    now found by the tag its environment inherited, and killed with the worker."""
+    pid_file = tmp_path / "daemon.pid"
+    try:
+        proc = normspec(tmp_path, "run", "--backend", "hostile_backends:LeavesADaemon",
+                        "--check", "F2.values", "--dtype", "float32", "--jobs", "1", "--json",
+                        "r.json", "--no-html", "--quiet", timeout=90,
+                        extra_env={"DAEMON_PID_FILE": str(pid_file)})
+        assert proc.returncode == 0, proc.stderr
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 10
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(pid)
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_a_base_exception_from_a_backend_is_an_error_record_of_its_case(tmp_path):
