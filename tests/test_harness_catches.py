@@ -349,3 +349,41 @@ def test_the_allowance_for_reported_statistics_is_each_channels_own():
     rec = legit_backends.eval_after_train(ChannelZeroFromBatch(), "bfloat16", seed=3,
                                           spread=1.15, grad=False)
     assert rec.status == "fail", rec.message
+
+
+def test_dbeta_is_judged_without_the_batchs_conditioning():
+    """dL/dbeta = sum g holds no statistic of x, so its bound has kappa 1 in training too:
+    it took the batch's centring kappa, and a channel of mean 1000 (kappa ~1000) let a
+    dL/dbeta that drops the batch's last sample (a tail tile left out of the reduction,
+    0.1% of sum |g|) pass at 48,000 ULPs allowed."""
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops.batch_norm import BatchNormDriver
+
+    class DbetaDropsTail(NumpyBackend):
+        def batch_norm(self, *args, **kwargs):
+            layer = super().batch_norm(*args, **kwargs)
+            forward = layer.forward
+
+            def dbeta_without_the_tail(x, grad_output=None):
+                res = forward(x, grad_output)
+                if grad_output is None or not layer.training:
+                    return res
+                whole = x.shape[0] - x.shape[0] % 32
+                dbeta = np.asarray(grad_output[:whole], np.float64).sum(axis=0)
+                return res._replace(grad_bias=dbeta.astype(res.grad_bias.dtype))
+            layer.forward = dbeta_without_the_tail
+            return layer
+
+    backend = DbetaDropsTail()
+    ctx = Context(backend_name="t", source="tests", backend=backend, check_id="t", claim="F1",
+                  op="batch_norm", dtype=np.dtype(np.float32), seed=0, examples=1,
+                  conventions=backend.conventions)
+    rng = np.random.default_rng(0)
+    x, g = rng.normal(size=(1025, 2)), rng.normal(size=(1025, 2))
+    x[:, 1] += 1000.0
+    with ctx.case("train, channel means 0 and 1000"):
+        BatchNormDriver(ctx, 2, momentum=0.1).step("x", Literal.of(x), mode="train",
+                                                    grad=Literal.of(g))
+    rec = ctx.records[-1]
+    assert rec.status == "fail" and "grad_bias" in rec.message, rec.message

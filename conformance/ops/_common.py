@@ -39,11 +39,11 @@ def outputs_like(x, *, grads: bool, param_shape=None, weight=False, bias=False) 
 
 
 def compare_param_grads(ctx, code, prefix, g64, x_hat, sum_axes, expected_w, expected_b, res,
-                        kappa, bias_kappa=1.0, variants=None, held=None) -> None:
+                        kappa, variants=None, held=None) -> None:
     """dL/dgamma, dL/dbeta: sums over `sum_axes` of g x_hat (whose terms carry the
     forward's error, so its growth covers both reductions) and of g (the reduction
-    alone); n = every element of g. `prefix` names the quantities ("layer_norm",
-    "batch_norm.train"). `variants(i)`: the Alternatives of the VJP's field i (1: dgamma,
+    alone, at kappa 1: no statistic of x enters it); n = every element of g. `prefix`
+    names the quantities ("layer_norm", "batch_norm.train"). `variants(i)`: the Alternatives of the VJP's field i (1: dgamma,
     2: dbeta), for diagnosis. `held(w_scale)`: ULPs dL/dgamma is allowed on top, at its
     scale (BatchNorm eval's reported statistics, tolerances.reported_stats_ulps)."""
     n = g64.size
@@ -61,6 +61,6 @@ def compare_param_grads(ctx, code, prefix, g64, x_hat, sum_axes, expected_w, exp
     if expected_b is not None:
         ctx.oracle("show(result.grad_bias, expected_grads[2], name='grad_bias')")
         ctx.conforms(expected=expected_b, actual=res.grad_bias, scale=b_scale,
-                     bound=bound("bias_gradient", ctx.dtype, n, bias_kappa),
+                     bound=bound("bias_gradient", ctx.dtype, n),
                      quantity=f"{prefix}.grad_bias", call=code,
                      variants=variants(2) if variants else None)
