@@ -607,8 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run label in the results and file name (default: tox env or host name)")
     r.add_argument("--shrink", action="store_true", help="let Hypothesis shrink failures")
     r.add_argument("--shard", type=_shard, default=None, metavar="K/N",
-                   help="run shard K of N of the (backend, check, dtype) units, so N CI jobs or "
-                        "machines share a suite; `normspec report` merges the shards' files")
+                   help="run shard K of N of the (check, dtype) pairs, for every backend, so N "
+                        "CI jobs or machines share a suite (the same pairs whichever backends "
+                        "a machine has); `normspec report` merges the shards' files")
     r.add_argument("--replicas", type=_replicas, default=None, metavar="R",
                    help="replicas of the data-parallel checks (DP; 2 to 64; default "
                         "$NORMSPEC_DP_REPLICAS or 2); each replica is a process or a device")
