@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -169,9 +170,24 @@ def _replicas(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: The longest --label: it is part of the results' file names, which a file system
+#: caps at 255 bytes (a 300-character label failed after the backends had loaded).
+LABEL_MAX = 100
+
+
 def _label(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("the label is empty")
+    if len(text) > LABEL_MAX:
+        raise argparse.ArgumentTypeError(f"the label is {len(text)} characters long; at most "
+                                         f"{LABEL_MAX} (it is part of the results' file names)")
+    return text
+
+
+def _path(text: str) -> str:
+    """An argparse type: a path, not empty (an empty one fell back to the default path)."""
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty")
     return text
 
 
@@ -208,14 +224,33 @@ def _same_file(path: Path, *others: Path) -> bool:
     return any(here == o.resolve() for o in others)
 
 
+def _stem_of(label: str) -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{_safe(label)}"
+
+
+def _lock(stem: str) -> Path:
+    return RESULTS_DIR / f".{stem}.lock"
+
+
 def _new_stem(label: str) -> str:
-    """A results name of its own for this run: UTC time and label, never an old one's."""
-    stem = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{_safe(label)}"
+    """A results name of its own for this run: UTC time and label, never an old one's,
+    nor one another run started in the same second took: the name is claimed at once by
+    creating its lock file (_lock, exclusively; the run removes it when it ends, and left
+    behind by a killed run it only keeps the name taken). Checked for files alone, two
+    runs started together both took it, and the second failed with a traceback once its
+    backends had loaded (found by a review)."""
+    stem = _stem_of(label)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     candidate, n = stem, 1
-    while any((RESULTS_DIR / f"{candidate}{ext}").exists() for ext in (".json", ".jsonl")):
+    while True:
+        if not any((RESULTS_DIR / f"{candidate}{ext}").exists() for ext in (".json", ".jsonl")):
+            try:
+                os.close(os.open(_lock(candidate), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                return candidate
+            except FileExistsError:
+                pass
         n += 1
         candidate = f"{stem}-{n}"
-    return candidate
 
 
 def _stream_path(json_path: Path) -> Path:
@@ -293,25 +328,53 @@ def _refuse(message: str, command: str = "run") -> int:
     return 2
 
 
+def _not_a_report_path(path: Path) -> str | None:
+    """Why a report (HTML) must not be written at `path`: a results file's name (the
+    report would replace results: found by a review, `report -o results/b.json` replaced
+    another run's results with HTML), or results/latest (the next `normspec report`
+    then crashed)."""
+    if path.suffix in (".json", ".jsonl"):
+        return "that is a results file's name (.json, .jsonl); a report is HTML"
+    if _same_file(path, RESULTS_DIR / LATEST):
+        return "that file names the latest run"
+    return None
+
+
 def cmd_run(args) -> int:
     label = args.label or os.environ.get("TOX_ENV_NAME") or platform.node() or "local"
+    if len(label) > LABEL_MAX:
+        return _refuse(f"the label {label[:40]!r}... is {len(label)} characters long; give a "
+                       f"--label of at most {LABEL_MAX}")
     try:
-        runner.select_checks(args.check or None)
+        selected = runner.select_checks(args.check or None)
     except ValueError as exc:
         return _refuse(str(exc))
+    if not runner.planned_pairs(selected, args.dtype or list(runner.DEFAULT_DTYPES), args.shard):
+        # (a run of nothing said "conforms"; found by a review)
+        return _refuse(f"nothing to run: no check of {', '.join(args.check or ['the suite'])} "
+                       f"applies to {', '.join(args.dtype or runner.DEFAULT_DTYPES)}"
+                       + (f" in shard {args.shard[0]}/{args.shard[1]}" if args.shard else ""))
     from .checks.data_parallel import REPLICAS_ENV, replicas
 
-    try:
-        replicas()
-    except ValueError as exc:
-        return _refuse(f"${REPLICAS_ENV}: {exc}")
+    if args.replicas is None:  # (--replicas overrides it)
+        try:
+            replicas()
+        except ValueError as exc:
+            return _refuse(f"${REPLICAS_ENV}: {exc}")
     unknown = _unknown_backend(args.backend)
     if unknown:
         return _refuse(unknown)
-    stem = None if args.json else _new_stem(label)
-    json_path = Path(args.json) if args.json else RESULTS_DIR / f"{stem}.json"
-    html_path = None if args.no_html else (
-        Path(args.html) if args.html else REPORTS_DIR / f"{stem or _safe(json_path.stem)}.html")
+    if args.json and Path(args.json).suffix == ".jsonl":
+        return _refuse(f"--json {args.json}: a .jsonl file is read as a run's stream; give a "
+                       ".json path")
+    if args.html and not args.no_html and _not_a_report_path(Path(args.html)):
+        return _refuse(f"cannot write {args.html}: {_not_a_report_path(Path(args.html))}")
+    def paths(stem):
+        json_path = Path(args.json) if args.json else RESULTS_DIR / f"{stem}.json"
+        return json_path, None if args.no_html else (
+            Path(args.html) if args.html else REPORTS_DIR / f"{stem or _safe(json_path.stem)}.html")
+    # (the name is claimed once the arguments are found good: a refusal writes nothing)
+    json_path, html_path = paths(None if args.json else _stem_of(label))
     for path in (json_path, html_path):
         why = path is not None and _unwritable(path)
         if why:
@@ -322,6 +385,27 @@ def cmd_run(args) -> int:
     if _stream_path(json_path).exists():
         return _refuse(f"{_stream_path(json_path)} exists (the stream of a run that did not "
                        "finish?); report it, move it away, or give another --json")
+    made = not RESULTS_DIR.exists()
+    stem = None if args.json else _new_stem(label)
+    json_path, html_path = paths(stem)
+    try:
+        return _run_into(args, label, stem, json_path, html_path)
+    finally:
+        if stem:
+            _release(stem, made)
+
+
+def _release(stem: str, made: bool) -> None:
+    """The name's lock removed, and the results folder too if this run made it and
+    wrote nothing there (a backend refused once loaded: nothing is written)."""
+    _lock(stem).unlink(missing_ok=True)
+    if made:
+        with contextlib.suppress(OSError):  # (not empty: the run wrote its results)
+            RESULTS_DIR.rmdir()
+
+
+def _run_into(args, label: str, stem: str | None, json_path: Path, html_path: Path | None) -> int:
+    """cmd_run once its arguments are found good: the run, its results and report."""
     stream: list[results.Stream] = []
 
     def on_start(doc, units):
@@ -486,7 +570,13 @@ def _report_inputs(names: list[str]) -> list[Path]:
         if not latest.is_file():
             raise results.ResultsError(f"no {latest}: name a results file, or run `normspec run` "
                                        "first")
-        stem = latest.read_text(encoding="utf-8").strip()
+        try:
+            stem = latest.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise results.ResultsError(f"{latest} cannot be read ({exc})") from None
+        if not stem or "\n" in stem or len(stem) > 200 or "/" in stem:
+            raise results.ResultsError(f"{latest} does not name a run (it holds "
+                                       f"{stem[:40]!r}...); name a results file")
         doc_path = RESULTS_DIR / f"{stem}.json"
         return [doc_path if doc_path.exists() else RESULTS_DIR / f"{stem}.jsonl"]
     files: list[Path] = []
@@ -519,8 +609,8 @@ def cmd_report(args) -> int:
         out = REPORTS_DIR / f"{files[0].stem}.html"
     else:
         out = REPORTS_DIR / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-merged.html"
-    why = _unwritable(out) or (_same_file(out, *files) and
-                               "it is one of the results files the report is made from")
+    why = _unwritable(out) or _not_a_report_path(out) or (
+        _same_file(out, *files) and "it is one of the results files the report is made from")
     if why:
         return _refuse(f"cannot write {out}: {why}", "report")
     names = [str(f) for f in files]
@@ -543,14 +633,23 @@ def cmd_bench(args) -> int:
     unknown = _unknown_backend(args.backend)
     if unknown:
         return _refuse(unknown, "bench")
+    if args.json is not None and Path(args.json).suffix == ".jsonl":
+        return _refuse(f"--json {args.json}: a .jsonl file is read as a run's stream; give a "
+                       ".json path", "bench")
+    why = _unwritable(Path(args.json) if args.json else RESULTS_DIR / f"{_stem_of('bench')}.json")
+    if why:
+        return _refuse(f"cannot write {args.json or RESULTS_DIR}: {why}", "bench")
+    stem, made = None, not RESULTS_DIR.exists()
     if args.json is None:
         # a file of its own, as a run's: a second bench left the first's numbers intact
         # nowhere (found by a new user)
-        args.json = str(RESULTS_DIR / f"{_new_stem('bench')}.json")
-    why = _unwritable(Path(args.json))
-    if why:
-        return _refuse(f"cannot write {args.json}: {why}", "bench")
-    return bench.main(args)
+        stem = _new_stem("bench")
+        args.json = str(RESULTS_DIR / f"{stem}.json")
+    try:
+        return bench.main(args)
+    finally:
+        if stem:
+            _release(stem, made)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -588,10 +687,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "B1.layer_norm_shift or DP")
     r.add_argument("--dtype", action="append", choices=list(runner.DEFAULT_DTYPES),
                    help="dtype (repeatable); default: all four")
-    r.add_argument("--json", default=None, metavar="PATH",
+    r.add_argument("--json", type=_path, default=None, metavar="PATH",
                    help="results path (default: results/<UTC time>-<label>.json, a new file "
                         "for every run; results/latest names the newest)")
-    r.add_argument("--html", default=None, metavar="PATH",
+    r.add_argument("--html", type=_path, default=None, metavar="PATH",
                    help="report path (default: reports/<same name>.html)")
     r.add_argument("--no-html", action="store_true", help="write the JSON only")
     r.add_argument("--seed", type=_seed, default=0,
@@ -623,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("files", nargs="*", metavar="FILE|FOLDER",
                      help="results files (.json, or a .jsonl stream of an unfinished run) or "
                           "folders of them; none: the latest run (results/latest)")
-    rep.add_argument("-o", "--output", default=None,
+    rep.add_argument("-o", "--output", type=_path, default=None,
                      help="report path (default: reports/<results name>.html, or "
                           "reports/<UTC time>-merged.html for several files)")
     rep.set_defaults(fn=cmd_report)
@@ -631,7 +730,7 @@ def build_parser() -> argparse.ArgumentParser:
     be = sub.add_parser("bench", help="benchmark every backend against a memory copy")
     be.add_argument("--backend", action="append", metavar="NAME|module:factory",
                     help="backend to time (repeatable); default: every backend found")
-    be.add_argument("--json", default=None, metavar="PATH",
+    be.add_argument("--json", type=_path, default=None, metavar="PATH",
                     help="results path (default: results/<UTC time>-bench.json, a new file "
                          "for every bench); `normspec report` plots it")
     be.add_argument("--quick", action="store_true", help="small shapes only")
@@ -642,6 +741,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    for out in (sys.stdout, sys.stderr):
+        # a backend's name or message with a lone surrogate (or a character the console's
+        # encoding lacks) is printed escaped: it ended a run with a traceback and no
+        # results file, raised in a slot thread's progress line (found by a review)
+        with contextlib.suppress(AttributeError, ValueError):
+            out.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -300,12 +300,14 @@ class RaisesHugeMessage(NumpyBackend):
 
 
 class SurrogateName(NumpyBackend):
-    """The correct backend, calling itself by a name holding a lone surrogate (set per
-    instance: every class here is named after itself, below)."""
+    """The correct backend, calling itself by a name holding lone surrogates (set per
+    instance: every class here is named after itself, below): one that stands for a byte
+    (surrogateescape) and one that does not, which a progress line could not print (the
+    run then ended with a traceback and no results file: found by a review)."""
 
     def __init__(self):
         super().__init__()
-        self.name = "numpy\udcff"
+        self.name = "numpy\udcff\ud800"
 
 
 class NoReasonsTable(NumpyBackend):

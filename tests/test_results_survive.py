@@ -272,6 +272,8 @@ def test_a_stop_while_loading_or_while_writing_is_not_a_crash(tmp_path, monkeypa
         run = results.read(tmp_path / "r.json")["runs"][0]
         assert (run["complete"], run["stopped_by"]) == (False, "SIGTERM")
         assert not (tmp_path / "r.jsonl").exists()
+        # every unit asked for is listed as not reached (none was: found by a review)
+        assert run["not_reached"] == [["numpy", "E1.worked_example", "float32"]]
     else:
         assert rc == 0
         assert results.read(tmp_path / "r.json")["runs"][0]["complete"] is True
@@ -408,6 +410,14 @@ BAD_RUN = [
     (["--json", "/proc/normspec/r.json"], "/proc/normspec/r.json"),
     (["--shard", "0/3"], "'0/3'"), (["--shard", "4/3"], "'4/3'"), (["--shard", "2"], "'2'"),
     (["--replicas", "1"], "'1'"),
+    # found by a review: an empty path fell back to the default; a .jsonl results file was
+    # written that normspec could not read back; a report over a results file; a label
+    # too long for a file name failed once the backends had loaded; a run of nothing
+    # said "conforms"
+    (["--json", ""], "the path is empty"), (["--html", ""], "the path is empty"),
+    (["--json", "r.jsonl"], "r.jsonl"), (["--html", "r.json"], "r.json"),
+    (["--label", "x" * 150], "150 characters"),
+    (["--shard", "7/100"], "nothing to run"),
     (["--json", "r.json", "--html", "r.json"], "r.json"),
     (["--json", "/dev/null"], "/dev/null"),
     # what a new user needed: the near miss, where the module must be, the missing folder
@@ -503,6 +513,43 @@ def test_a_report_is_never_written_over_its_own_results(tmp_path):
     proc = normspec(tmp_path, "report", "r.json", "-o", "./r.json")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "r.json" in proc.stderr and (tmp_path / "r.json").read_bytes() == before
+
+
+def test_a_run_of_nothing_is_refused(tmp_path):
+    """A check whose dtypes the run leaves out: 0 records, and a verdict "conforms"
+    (found by a review)."""
+    proc = normspec(tmp_path, "run", "--backend", "numpy", "--check", "F2/F3.subnormals",
+                    "--dtype", "float32")
+    assert proc.returncode == 2 and "nothing to run" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and files(tmp_path) == []
+
+
+def test_a_report_is_never_written_over_results_or_the_latest_pointer(tmp_path):
+    """`report -o results/b.json` replaced another run's results with HTML, and `-o
+    results/latest` the pointer, after which `normspec report` crashed (found by a review)."""
+    ran = normspec(tmp_path, "run", "--backend", "numpy", "--check", "E1", "--no-html", "--quiet")
+    assert ran.returncode == 0, ran.stderr
+    stem = (tmp_path / "results" / "latest").read_text(encoding="utf-8").strip()
+    before = files(tmp_path)
+    for out in ("other.json", "stream.jsonl", "results/latest", f"results/{stem}.json"):
+        proc = normspec(tmp_path, "report", "-o", out)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert out in proc.stderr and files(tmp_path) == before
+    (tmp_path / "results" / "latest").write_text("<html>" * 100, encoding="utf-8")
+    proc = normspec(tmp_path, "report")
+    assert proc.returncode == 2 and "does not name a run" in proc.stderr, proc.stderr
+
+
+def test_two_runs_started_together_take_two_names(tmp_path):
+    """Both took the same name (chosen before their backends loaded, written after), and
+    the second ended with a traceback (found by a review)."""
+    procs = [start(tmp_path, "run", "--backend", "numpy", "--check", "E1", "--dtype", "float32",
+                   "--no-html", "--quiet", "--label", "same") for _ in range(3)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    made = sorted(p.name for p in (tmp_path / "results").glob("*.json"))
+    assert len(made) == 3 and not list((tmp_path / "results").glob(".*.lock")), made
 
 
 def test_a_report_refuses_to_count_a_run_twice_or_to_add_two_backends_together(tmp_path):

@@ -43,9 +43,10 @@ def compare_param_grads(ctx, code, prefix, g64, x_hat, sum_axes, expected_w, exp
     """dL/dgamma, dL/dbeta: sums over `sum_axes` of g x_hat (whose terms carry the
     forward's error, so its growth covers both reductions) and of g (the reduction
     alone, at kappa 1: no statistic of x enters it); n = every element of g. `prefix`
-    names the quantities ("layer_norm", "batch_norm.train"). `variants(i)`: the Alternatives of the VJP's field i (1: dgamma,
-    2: dbeta), for diagnosis. `held(w_scale)`: ULPs dL/dgamma is allowed on top, at its
-    scale (BatchNorm eval's reported statistics, tolerances.reported_stats_ulps)."""
+    names the quantities ("layer_norm", "batch_norm.train"). `variants(i)`: the
+    Alternatives of the VJP's field i (1: dgamma, 2: dbeta), for diagnosis.
+    `held(w_scale)`: ULPs dL/dgamma is allowed on top, at its scale (BatchNorm eval's
+    reported statistics, tolerances.reported_stats_ulps)."""
     n = g64.size
     # kappa >= 1 always; no rows (an empty batch) have none, and their sums are exact 0s
     kappa = np.max(kappa, initial=1.0)
