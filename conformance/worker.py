@@ -115,7 +115,7 @@ _SPAWN_LOCK = threading.Lock()
 def _tagged(tag: str) -> list[int]:
     """The processes (Linux: /proc) that began with TAG=tag in their environment."""
     entry = f"{TAG}={tag}".encode()
-    found = []
+    found: list[int] = []
     try:
         names = os.listdir("/proc")
     except OSError:
