@@ -387,3 +387,18 @@ def test_dbeta_is_judged_without_the_batchs_conditioning():
                                                     grad=Literal.of(g))
     rec = ctx.records[-1]
     assert rec.status == "fail" and "grad_bias" in rec.message, rec.message
+
+
+def test_an_output_neither_precision_of_eps_explains_names_neither():
+    """RMSNorm adding eps to the sum, not the mean (eps / d in effect), is as far from
+    eps held in float32 as in float64: the record named float32 as the match (found by a
+    review)."""
+    class EpsOnTheSum(NumpyBackend):
+        def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+            return super().rms_norm(x, normalized_shape, weight, eps / int(np.prod(normalized_shape)),
+                                    grad_output)
+
+    (rec,) = [r for r in run(EpsOnTheSum(), "protocol.parameter_dtype", "float64")
+              if r.case.startswith("rms_norm")]
+    assert rec.status == "fail" and "matches eps held in neither precision" in rec.message, \
+        rec.message
