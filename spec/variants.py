@@ -134,13 +134,25 @@ def ln_one_pass_variance(x, normalized_shape, weight=None, bias=None, eps=1e-5, 
     return _ln_affine((x - mu) / np.sqrt(var + eps), weight, bias)
 
 
+#: lambda of the probabilistic bound of the statistics' envelopes: with it, a sum of n <= 2^17
+#: terms exceeds lambda sqrt(n) u sum|terms| with probability below 1e-5 (Higham and
+#: Mary's model, n 2 exp(-lambda^2 / 2)).
+SERIAL_LAMBDA = 7.0
+#: The longest reduction that bound is claimed for.
+SERIAL_MAX_N = 1 << 17
+
+
 def one_pass_statistics_error(x, axes, compute_dtype=np.float32):
     """(mean bound, variance bound), per reduced slice (kept dims): how far the mean and
     the variance E[x^2] - E[x]^2 computed in `compute_dtype` (unit roundoff u) can lie from
-    the exact ones, whatever the summation order. With n values, g_k = k u / (1 - k u)
-    (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., lemma 3.1 and
-    section 4.2): the sum of n terms in any order is off by at most g_(n-1) sum |terms|,
-    each square and each division adds one rounding, so
+    the exact ones in any summation order, with all but a negligible probability. With n
+    values, g_k = min(k u / (1 - k u), lambda sqrt(k) u): the sum of k terms in any order
+    is off by at most g_k sum |terms|, the first the worst case (Higham, Accuracy and
+    Stability of Numerical Algorithms, 2nd ed., lemma 3.1 and section 4.2), the second
+    Higham and Mary's probabilistic bound as two_pass_statistics_error takes it (for k up
+    to SERIAL_MAX_N): the worst case, n u, let a LayerNorm that left 15 of its 2050
+    values out of its statistics read as a one-pass variance where the mean is large
+    (found by a review). Each square and each division adds one rounding, so
       |mean' - mean| <= dm = g_(n+1) E|x|   (x itself rounded to compute_dtype: one more)
       |E[x^2]' - E[x^2]| <= g_(n+2) E[x^2]
       |mean'^2' - mean^2| <= (2 |mean| + dm) dm + u (|mean| + dm)^2
@@ -151,7 +163,8 @@ def one_pass_statistics_error(x, axes, compute_dtype=np.float32):
     n = _d(x, axes)
 
     def g(k):
-        return k * u / (1.0 - k * u)
+        worst = k * u / (1.0 - k * u)
+        return min(worst, SERIAL_LAMBDA * np.sqrt(k) * u) if k <= SERIAL_MAX_N else worst
 
     mean_abs = np.mean(np.abs(x), axis=axes, keepdims=True)
     mean = np.mean(x, axis=axes, keepdims=True)
@@ -176,14 +189,6 @@ def ln_serial_sum(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
     centred = rnd(xc - mu)
     var = _keep(rnd(_sequential_sum(rnd(centred * centred), axes, rnd) / d), x, axes)
     return _ln_affine((x - mu) / np.sqrt(var + eps), weight, bias)
-
-
-#: lambda of two_pass_statistics_error's probabilistic bound: with it, a sum of n <= 2^17
-#: terms exceeds lambda sqrt(n) u sum|terms| with probability below 1e-5 (Higham and
-#: Mary's model, n 2 exp(-lambda^2 / 2)).
-SERIAL_LAMBDA = 7.0
-#: The longest reduction that bound is claimed for.
-SERIAL_MAX_N = 1 << 17
 
 
 def two_pass_statistics_error(x, axes, compute_dtype=np.float32):
