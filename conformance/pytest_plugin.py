@@ -83,6 +83,9 @@ def pytest_configure(config):
             select(config.getoption(flag) or ())
         except ValueError as exc:
             raise pytest.UsageError(f"{flag}: {exc}") from None
+    unknown = cli._unknown_backend(config.getoption("normspec_backend"))
+    if unknown:  # (each of its items failed "could not be used"; `normspec run` refuses it)
+        raise pytest.UsageError(f"--normspec-backend: {unknown}")
 
 
 class NormspecItem(pytest.Item):

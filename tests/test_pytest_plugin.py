@@ -79,7 +79,8 @@ def test_an_entry_is_stale_only_if_the_whole_session_needs_it(tmp_path, workers)
     ("--normspec-check", "F99"), ("--normspec-dtype", "float3"),
     ("--normspec-examples", "0"), ("--normspec-examples", "-5"), ("--normspec-examples", "ten"),
     ("--normspec-seed", "-1"), ("--normspec-seed", str(2**63)),
-    ("--normspec-timeout", "0"), ("--normspec-timeout", "-1"), ("--normspec-timeout", "nan")])
+    ("--normspec-timeout", "0"), ("--normspec-timeout", "-1"), ("--normspec-timeout", "nan"),
+    ("--normspec-backend", "nosuch")])
 def test_a_bad_option_is_a_usage_error_before_any_work(tmp_path, option, value):
     """As `normspec run` refuses its arguments (the same parsers): one line naming the
     value, pytest's usage error (exit code 4), and no backend loaded (a bad check or dtype
