@@ -92,6 +92,8 @@ class BatchNormDriver:
         self.e = ctx.effective(eps, "eps")
         self.a = ctx.effective(momentum, "momentum")
         self.rm, self.rv = self._stats("initial")
+        #: the spec's running statistics after the last training step (see _held)
+        self.spec_rm = self.spec_rv = None
 
     # ------------------------------------------------------------ state
     def _stats(self, when):
@@ -170,8 +172,9 @@ class BatchNormDriver:
             ctx.oracle(f"expected, new_rm, new_rv = spec.batch_norm_train({name}, {stats}, weight, "
                        f"bias, {a!r}, {self.e!r}, num_batches_tracked={self.steps})")
         else:
-            expected = spec.batch_norm_eval(x64, f64(self.rm), f64(self.rv), w64, b64, self.e)
-            mean, var, n, rm, rv = f64(self.rm), f64(self.rv), 1, None, None
+            mean, var = self._held()
+            expected = spec.batch_norm_eval(x64, mean, var, w64, b64, self.e)
+            n, rm, rv = 1, None, None
             kappa = shift_kappa(mean.reshape(bshape), var.reshape(bshape), self.e)
             ctx.oracle(f"expected = spec.batch_norm_eval({name}, rm, rv, weight, bias, {self.e!r})")
         x_hat = (x64 - mean.reshape(bshape)) / np.sqrt(var.reshape(bshape) + self.e)
@@ -182,8 +185,8 @@ class BatchNormDriver:
             scale = centred_output_scale(x_hat, gamma, beta, axes)
             self.judged = Judged(out, expected, scale, n, kappa)
             held = 0.0 if use_batch else self._reported(
-                scale, np.abs(mean.reshape(bshape)) * gamma / np.sqrt(var.reshape(bshape) + self.e),
-                0.5 * np.abs(x_hat) * gamma)
+                scale, gamma / np.sqrt(var.reshape(bshape) + self.e),
+                0.5 * np.abs(x_hat) * gamma / (var.reshape(bshape) + self.e))
             ctx.conforms(expected=expected, actual=out, scale=scale,
                          bound=bound("output", ctx.dtype, n, kappa) + held,
                          quantity=f"batch_norm.{phase}.output", what=what, call=code,
@@ -238,7 +241,7 @@ class BatchNormDriver:
             # the channel's largest |gamma g r|: the group's scale, as for every quantity
             scale = r * np.max(h, axis=axes, keepdims=True)
             gx_bound = bound("eval_gradient", ctx.dtype, 1) + self._reported(
-                scale, 0.0, 0.5 * np.abs(gx))
+                scale, 0.0, 0.5 * np.abs(gx) / (var.reshape(bshape) + self.e))
             ctx.oracle(f"expected_grads = spec.batch_norm_eval_vjp({name}, {name}_grad, rm, rv, "
                        f"weight, bias, {self.e!r})")
         phase = "train" if use_batch else "eval"
@@ -249,22 +252,53 @@ class BatchNormDriver:
                      variants=vjp(0) if vjp is not None else None)
         held = None
         if not use_batch:
-            # dL/dgamma = sum g (x - rm) r: the reported mean moves each term by u_s |rm| r
-            # |g|, the variance by u_s / 2 |g x_hat|
+            # dL/dgamma = sum g (x - rm) r: a unit change of the mean moves it by up to
+            # sum |g| r, of the variance by sum |g x_hat| / (2 (var + eps))
             def held(w_scale):
                 return self._reported(
-                    w_scale, (np.abs(mean.reshape(bshape)) * r * np.abs(g64)).sum(axis=axes),
-                    0.5 * np.abs(g64 * x_hat).sum(axis=axes))
+                    w_scale, (r * np.abs(g64)).sum(axis=axes),
+                    0.5 * np.abs(g64 * x_hat).sum(axis=axes) / (var + self.e))
         compare_param_grads(ctx, code, f"batch_norm.{phase}", g64, x_hat, axes, gw, gb, res,
                             kappa, variants=vjp, held=held)
 
-    def _reported(self, scale, mean_term, var_term):
+    def _reported(self, scale, mean_sens, var_sens):
         """ULPs an eval quantity at `scale` may be off for the running statistics this
-        layer reports (tolerances.reported_stats_ulps): `mean_term` and `var_term` are
-        what a relative change of u_s in the mean or the variance moves it by, per u_s."""
-        return reported_stats_ulps(self.ctx.dtype, scale, mean_dtype=self.rm.dtype,
-                                   var_dtype=self.rv.dtype, mean_term=mean_term,
-                                   var_term=var_term)
+        layer reports (tolerances.reported_stats_ulps): `mean_sens` and `var_sens` are
+        what a unit change of the mean or the variance moves it by (broadcast like the
+        quantity; the statistics per channel, shaped to match)."""
+        shape = np.shape(mean_sens) if np.ndim(mean_sens) else np.shape(var_sens)
+        bshape = (1, -1) + (1,) * (len(shape) - 2) if len(shape) >= 2 else (-1,)
+        return reported_stats_ulps(self.ctx.dtype, scale, mean=self.rm.reshape(bshape),
+                                   mean_sens=mean_sens, var=self.rv.reshape(bshape),
+                                   var_sens=var_sens)
+
+    def _held(self):
+        """The running statistics the eval oracle evaluates at, float64: those the layer
+        reports, except where a report overflowed (inf in its dtype, float16's largest
+        being 65504) for the finite value the spec's update gave and the layer holds,
+        which then stands in (a float16 layer holding its variance of 70805 in float32
+        reported inf, and its correct output failed at 556 ULPs against an oracle at an
+        infinite variance: found by a review); the repro and the record say so."""
+        held = []
+        for nm, got, spec_value in (("rm", self.rm, self.spec_rm), ("rv", self.rv, self.spec_rv)):
+            got64 = f64(got)
+            over = np.zeros(got64.shape, bool)
+            if spec_value is not None:
+                with np.errstate(invalid="ignore"):
+                    over = (np.isinf(got64) & np.isfinite(spec_value)
+                            & (spec.round_to(spec_value, got.dtype).astype(np.float64) == got64))
+            if over.any():
+                value = np.where(over, spec_value, got64)
+                self.ctx.oracle(f"{nm} = np.array({value.tolist()!r})  # the spec's where the "
+                                f"layer's {got.dtype} report overflowed")
+                note = (f"oracle at the spec's running {'mean' if nm == 'rm' else 'variance'} in "
+                        f"channel(s) {np.flatnonzero(over).tolist()}, whose {got.dtype} report "
+                        f"overflowed to inf")
+                if note not in self.ctx.notes:
+                    self.ctx.notes.append(note)
+                got64 = value
+            held.append(got64)
+        return held[0], held[1]
 
     def _compare_count(self, code):
         """num_batches_tracked, where the layer exposes one: the training forwards so far."""
@@ -284,6 +318,7 @@ class BatchNormDriver:
         ctx = self.ctx
         old_rm, old_rv = f64(self.rm), f64(self.rv)
         self.rm, self.rv = self._stats("after a training forward")
+        self.spec_rm, self.spec_rv = rm_ref, rv_ref
         if not self.compare_stats:
             return
         a = self.step_a
@@ -292,13 +327,15 @@ class BatchNormDriver:
         # the declared biased estimator's update, which the spec does not share (F4)
         biased = [((1 - a) * old_rv + a * x64.var(axis=axes), "running_var_estimator")] \
             if ctx.convention("running_var_estimator") == "biased" else []
-        for nm, ref, got, sc, explained, var, pick in (
-                ("running_mean", rm_ref, self.rm, rm_scale, [], "new_rm", 1),
-                ("running_var", rv_ref, self.rv, rv_scale, biased, "new_rv", 2)):
+        kappa = centring_kappa(x64, axes, self.e).reshape(-1)
+        for nm, ref, got, sc, explained, var, pick, k in (
+                ("running_mean", rm_ref, self.rm, rm_scale, [], "new_rm", 1, 1.0),
+                ("running_var", rv_ref, self.rv, rv_scale, biased, "new_rv", 2, kappa)):
             ctx.oracle(f"show(layer.{nm}, {var}, name='{nm}')")
             try:
                 ctx.conforms(expected=ref, actual=got, dtype=got.dtype, scale=sc,
-                             bound=bound("running_stat", got.dtype, count),
+                             bound=bound("running_stat", got.dtype, count, k,
+                                         compute=ctx.dtype),
                              quantity=f"batch_norm.{nm}", call=code, explained=explained,
                              variants=variants(pick) if variants else None)
             except CheckFailure as exc:

@@ -183,11 +183,13 @@ class DataParallelRun:
             axes, _ = _layout(grp)
             n = grp.size // grp.shape[1]
             scales = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], grp, n, self.a, axes)
-            for f, sc in zip(("running_mean", "running_var"), scales, strict=True):
+            kappa = centring_kappa(grp, axes, self.e).reshape(-1)
+            for f, sc, k in zip(("running_mean", "running_var"), scales, (1.0, kappa), strict=True):
                 got = getattr(self.result, f)[t][r]
                 try:
                     assert_conforms(expected=exp[f][r], actual=got, dtype=got.dtype, scale=sc,
-                                    bound=bound("running_stat", got.dtype, n),
+                                    bound=bound("running_stat", got.dtype, n, k,
+                                                compute=self.ctx.dtype),
                                     quantity=f"batch_norm.dp.{f}", call=self.code)
                 except CheckFailure:
                     return False
@@ -242,9 +244,11 @@ class DataParallelRun:
                         old = exp["old_rv"][r]
                         explained = [((1 - a) * old + a * var.reshape(-1), "running_var_estimator")]
                     sc = rm_scale if f == "running_mean" else rv_scale
+                    k = 1.0 if f == "running_mean" else kappa.reshape(-1)
                     ctx.conforms(expected=exp[f][r], actual=got, dtype=got.dtype, scale=sc,
-                                 bound=bound("running_stat", got.dtype, n), quantity=quantity,
-                                 what=what, call=self.code, explained=explained)
+                                 bound=bound("running_stat", got.dtype, n, k, compute=ctx.dtype),
+                                 quantity=quantity, what=what, call=self.code,
+                                 explained=explained)
                 else:
                     sc, bd = scales[f]
                     ctx.conforms(expected=exp[f][r], actual=got, scale=sc, bound=bd,
