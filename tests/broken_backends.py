@@ -875,6 +875,48 @@ class _BatchNormIgnoresStridesLayer(NumpyBatchNorm):
 
 BatchNormIgnoresStrides = _bn_backend(_BatchNormIgnoresStridesLayer)
 
+
+def _channels_last(a) -> bool:
+    """Whether [N, C, ...] `a` is stored channels-last (and not also contiguous)."""
+    return a.ndim > 2 and not a.flags.c_contiguous and np.moveaxis(a, 1, -1).flags.c_contiguous
+
+
+class _GradInInputStridesLayer(NumpyBatchNorm):
+    """The backward picks one memory format, x's, and indexes the upstream gradient with
+    x's strides (bug class 14, memory format: pytorch #107199): right when both share a
+    format, wrong for x channels-last and the gradient contiguous, or the reverse."""
+
+    def forward(self, x, grad_output=None):
+        if grad_output is not None and (x.flags.c_contiguous or _channels_last(x)) and \
+                (grad_output.flags.c_contiguous or _channels_last(grad_output)) and \
+                x.strides != grad_output.strides:
+            memory = np.ascontiguousarray(grad_output.ravel(order="K"))  # in memory order
+            grad_output = np.lib.stride_tricks.as_strided(memory, x.shape, x.strides).copy()
+        return super().forward(x, grad_output)
+
+
+class _ChannelsLastTailStatsLayer(NumpyBatchNorm):
+    """On channels-last input with more than 4 channels, the running statistics are
+    stored in vectors of 4 channels and a partial last vector is skipped: its channels'
+    running mean and variance stay as they were (bug classes 14 and 21, channels-last
+    kernels and channel counts that are not powers of two: pytorch #62594, apex #1768).
+    Outputs and gradients are right."""
+
+    def forward(self, x, grad_output=None):
+        self._channels_last = _channels_last(x)
+        return super().forward(x, grad_output)
+
+    def update_running(self, mu, sum_sq, m):
+        mean, var = self.stats.mean.copy(), self.stats.var.copy()
+        super().update_running(mu, sum_sq, m)
+        tail = slice(len(mean) - len(mean) % 4, None)
+        if self._channels_last and len(mean) > 4:
+            self.stats.mean[tail], self.stats.var[tail] = mean[tail], var[tail]
+
+
+GradInInputStrides = _bn_backend(_GradInInputStridesLayer)
+ChannelsLastTailStats = _bn_backend(_ChannelsLastTailStatsLayer)
+
 # ---------------------------------------------------------------- conventions
 class DeclaresFloat32Parameters(NumpyBackend):
     """Declares eps held in float32 (as ONNX attributes are) but uses it as given."""

@@ -303,6 +303,21 @@ def test_many_channels_are_checked(check_id):
     assert [r.case.split(":")[0] for r in records if r.status != "pass"] == ["100 channels"]
 
 
+@pytest.mark.parametrize(("broken", "failing"), [
+    (bb.GradInInputStrides, ["x (4, 3, 5, 6) channels_last, grad contiguous",
+                             "x (4, 3, 5, 6) contiguous, grad channels_last"]),
+    (bb.ChannelsLastTailStats, ["x (2, 6, 3, 4) channels_last"])],
+    ids=["grad read with x's strides", "channels-last tail statistics"])
+def test_batchnorm_memory_formats_are_checked(broken, failing):
+    """A backward that reads the upstream gradient with x's strides, and channels-last
+    running statistics that skip a partial vector of 4 channels: every layout case had
+    the gradient in x's layout and 3 channels, so the cases of x and the gradient in
+    different memory formats, and of 6 channels channels-last, are what fail, alone
+    (found by a red-team review)."""
+    records = run(broken(), "F1/F5.batchnorm_layouts", "float32")
+    assert [r.case.split(":")[0] for r in records if r.status != "pass"] == failing
+
+
 def test_a_layer_that_writes_into_gamma_is_named_for_it():
     failed = [r for r in run(bb.ZeroesParams(), "F1.values", "float32") if r.status == "fail"]
     assert failed and all(r.message.startswith("got weight modified in place")

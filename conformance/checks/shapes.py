@@ -24,7 +24,11 @@ the backend returns gradients, so dL/dgamma and dL/dbeta are compared in every c
   view, a non-contiguous upstream gradient: LightLLM #1467, quack #88; and leading axes
   with no one row stride between them (q split from a fused qkv and transposed, as
   Qwen3's QK-norm gets it: sgl-kernel-xpu #169/#170, vllm-xpu-kernels PR #397);
-- BatchNorm on channels-last and strided [N, C, H, W]: pytorch #62594, #107199.
+- BatchNorm on channels-last and strided [N, C, H, W]: pytorch #62594, #107199; on
+  channels-last with 6 channels, where a kernel that stores per-channel results in
+  vectors of 4 leaves the last two (apex #1768); and with the upstream gradient in a
+  memory format other than x's, which a backward that indexes it with x's strides
+  reads in the wrong order (pytorch #107199).
 
 The row counts are kept small in d (4) so 131072 rows stay a few MB; a backend whose
 capabilities declare `max_rows` (the Triton interpreter) records the larger row counts as
@@ -58,6 +62,7 @@ BN_C = 3
 BN_ROW_C = 2  # channels of the row-count cases: few, so 131072 samples stay fast
 BN_WIDE_C = 6  # channels of one more 4096-sample case: not a multiple of 4
 BN_LAYOUT_SHAPES = {4: (4, BN_C, 5, 6), 3: (4, BN_C, 7), 2: (12, BN_C)}
+BN_WIDE_LAYOUT_SHAPE = (2, BN_WIDE_C, 3, 4)  # channels-last, C not a multiple of 4
 NORM_OPS = ("layer_norm", "rms_norm")
 
 
@@ -210,6 +215,15 @@ def batchnorm_layout_cases():
             if layout == "channels_last" and rank < 3:
                 continue  # [N, C] already has C innermost
             yield dict(shape=shape, layout=layout)
+    yield dict(shape=BN_WIDE_LAYOUT_SHAPE, layout="channels_last")
+    # x and the upstream gradient in different memory formats, both ways
+    for layout, grad_layout in (("channels_last", "contiguous"), ("contiguous", "channels_last")):
+        yield dict(shape=BN_LAYOUT_SHAPES[4], layout=layout, grad_layout=grad_layout)
+
+
+def _bn_layout_label(case) -> str:
+    grad = f", grad {case['grad_layout']}" if "grad_layout" in case else ""
+    return f"x {case['shape']} {case['layout']}{grad}"
 
 
 def _bn_grads(ctx) -> str:
@@ -219,19 +233,24 @@ def _bn_grads(ctx) -> str:
 def _batchnorm(ctx, case):
     """One training step (with gradients where the backend has them) on the case's x,
     then one eval step on another batch in the same layout: outputs, gradients and the
-    running statistics against the oracle."""
+    running statistics against the oracle. The upstream gradients take `grad_layout`
+    where the case gives one, x's layout otherwise."""
     shape, layout, seed = case["shape"], case["layout"], ctx.seed
+    grad_layout = case.get("grad_layout", layout)
     c = shape[1]
     ctx.require("batch_norm")
     grads = ctx.has_gradient("batch_norm")
+    if "grad_layout" in case and not grads:
+        raise Unsupported("capabilities list no gradients for batch_norm: the case is the "
+                          "upstream gradient's layout")
     driver = BatchNormDriver(ctx, c, momentum=0.3,
                              weight=ArraySpec((c,), seed + 7, 1.0, 0.5),
                              bias=ArraySpec((c,), seed + 8, 0.0, 0.5), defer_stats=True)
     driver.step("x", ArraySpec(shape, seed, 1.0, 2.0, layout), mode="train",
-                grad=ArraySpec(shape, seed + 10, 0.0, 1.0, layout) if grads else None)
+                grad=ArraySpec(shape, seed + 10, 0.0, 1.0, grad_layout) if grads else None)
     driver.set_mode(False)
     driver.step("x_eval", ArraySpec(shape, seed + 2, -1.0, 0.7, layout), mode="eval",
-                grad=ArraySpec(shape, seed + 12, 0.5, 1.0, layout) if grads else None)
+                grad=ArraySpec(shape, seed + 12, 0.5, 1.0, grad_layout) if grads else None)
     driver.raise_deferred()
 
 
@@ -245,10 +264,13 @@ def batchnorm_row_counts(ctx):
             _batchnorm(ctx, case)
 
 
-@check("F1/F5.batchnorm_layouts", title="BatchNorm on [N, C, H, W] stored channels-last, and on "
-       "strided, sliced and transposed views: train and eval outputs, gradients and running "
+@check("F1/F5.batchnorm_layouts", title="BatchNorm on [N, C, H, W] stored channels-last (3 "
+       "and 6 channels), on strided, sliced and transposed views, and with the upstream "
+       "gradient in the other memory format: train and eval outputs, gradients and running "
        "statistics equal the oracle's", ops=("batch_norm",))
 def batchnorm_layouts(ctx):
     for case in batchnorm_layout_cases():
-        with ctx.case(f"x {case['shape']} {case['layout']}: train, then eval" + _bn_grads(ctx)):
+        # a gradient layout case without gradients is unsupported, not outputs alone
+        alone = "" if "grad_layout" in case else _bn_grads(ctx)
+        with ctx.case(f"{_bn_layout_label(case)}: train, then eval" + alone):
             _batchnorm(ctx, case)
