@@ -641,6 +641,34 @@ class NoGradSkipsUpdate(OracleBackend):
                                  np.dtype(dtype), weight, bias)
 
 
+class _FrozenAfterEvalLayer(NumpyBatchNorm):
+    """A forward compiled with no guard on the mode (pytorch #105653: changing
+    nn.Module.training did not trigger a recompilation): once eval() has run, train()
+    sets the flag but the eval path keeps running, on the running statistics, with no
+    update and num_batches_tracked stuck."""
+
+    _compiled_eval = False
+
+    def eval(self):
+        super().eval()
+        self._compiled_eval = True
+
+    def uses_batch_stats(self):
+        return not self.stats.tracked if self._compiled_eval else super().uses_batch_stats()
+
+
+class _UntrainedEvalUsesBatchLayer(NumpyBatchNorm):
+    """Which statistics eval uses decided by the layer's state, not its mode (the class
+    of pytorch #16793, #37823): until a training forward has filled the running
+    statistics, eval normalizes with the batch's instead of the initial 0 and 1."""
+
+    def uses_batch_stats(self):
+        return super().uses_batch_stats() or self.stats.num_batches_tracked == 0
+
+
+FrozenAfterEval = _bn_backend(_FrozenAfterEvalLayer)
+UntrainedEvalUsesBatch = _bn_backend(_UntrainedEvalUsesBatchLayer)
+
 
 # ---------------------------------------------------------------- shapes and layouts
 GRID_LIMIT = 65535  # CUDA's grid y/z limit: a launch of one block per row stops there

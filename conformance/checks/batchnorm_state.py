@@ -1,6 +1,7 @@
-"""BatchNorm state (F4, F5, B3, B4, E3): running statistics after every training step
-(unbiased update, momentum weighting the new batch), eval on running statistics, no
-statistics with track_running_stats=False, and a batch of one."""
+"""BatchNorm state (F4, F5, B3, B4, B5, E3): running statistics after every training step
+(unbiased update, momentum weighting the new batch), eval on running statistics (the
+initial ones, mean 0 and variance 1, on a layer that never trained), no statistics with
+track_running_stats=False, a batch of one, and training again after eval()."""
 
 from __future__ import annotations
 
@@ -80,6 +81,24 @@ def untracked(ctx):
         driver.step("x_eval", ArraySpec((5, 3), ctx.seed + 1, -2.0, 0.5), mode="eval")
 
 
+@check("F5.eval_before_training", title="Eval on a layer that never trained normalizes "
+       "with the initial running statistics, mean 0 and variance 1, not the batch's",
+       ops=("batch_norm",))
+def eval_before_training(ctx):
+    with ctx.case("eval on a fresh layer"):
+        driver = BatchNormDriver(ctx, 3, weight=ArraySpec((3,), ctx.seed + 7, 1.0, 0.5),
+                                 bias=ArraySpec((3,), ctx.seed + 8, 0.0, 0.5))
+        # the driver judges eval by the statistics the layer reports: say what they must be
+        ctx.holds(condition=np.array_equal(driver.rm, np.zeros(3))
+                  and np.array_equal(driver.rv, np.ones(3)),
+                  got=f"running_mean {driver.rm}, running_var {driver.rv}",
+                  spec_says="a new layer starts at running_mean 0, running_var 1",
+                  call="layer.running_mean, layer.running_var")
+        driver.set_mode(False)
+        # mean 1, spread 2: the batch's statistics are far from 0 and 1
+        driver.step("x", ArraySpec((4, 3), ctx.seed, 1.0, 2.0), mode="eval")
+
+
 @check("B3.batch_of_one_train", title="A [1, C] batch in training mode raises (one value per "
        "channel)", ops=("batch_norm",))
 def batch_of_one_train(ctx):
@@ -131,3 +150,18 @@ def divergence(ctx):
                     at_least=2.0, what="train and eval outputs",
                     call="layer.forward(x), train then eval", explained_by=_by_biased_estimator(ctx))
 
+
+@check("B5.train_after_eval", title="train() after eval() trains again: the next forward "
+       "normalizes with the batch's statistics, updates the running statistics and counts "
+       "in num_batches_tracked", ops=("batch_norm",), also=("F1", "F4"))
+def train_after_eval(ctx):
+    with ctx.case("train, eval, then train again"):
+        driver = BatchNormDriver(ctx, 3, momentum=0.3,
+                                 weight=ArraySpec((3,), ctx.seed + 7, 1.0, 0.5),
+                                 bias=ArraySpec((3,), ctx.seed + 8, 0.0, 0.5))
+        driver.step("x0", ArraySpec((4, 3), ctx.seed, 1.0, 2.0), mode="train")
+        driver.set_mode(False)
+        driver.step("x_eval", ArraySpec((4, 3), ctx.seed + 1, -1.0, 0.7), mode="eval")
+        driver.set_mode(True)
+        # a third distribution: its statistics are far from the running ones
+        driver.step("x1", ArraySpec((4, 3), ctx.seed + 2, 3.0, 1.5), mode="train")
