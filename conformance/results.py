@@ -85,15 +85,13 @@ FAILING = ("fail", "error")
 #: Record fields (and fields of `worst`) that hold numbers, read back from "inf"/"nan".
 MEASURES = ("max_ulp", "bound_ulp", "max_abs", "max_rel", "duration_s")
 WORST_MEASURES = ("ulp", "bound")
+#: Benchmark fields that hold numbers (null where nothing was measured).
+BENCH_MEASURES = ("ms", "gbps", "copy_gbps", "copy_before_gbps", "copy_after_gbps", "of_copy",
+                  "vs_torch")
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-#: Keys every record must have, with their JSON types, for a file to be readable.
-RECORD_KEYS = {"backend": str, "check": str, "claim": str, "op": str, "dtype": str,
-               "case": str, "status": str}
-BACKEND_KEYS = {"name": str, "available": bool, "run": str}
 #: What a reader may assume of the optional keys, filled in where a file lacks them.
 BACKEND_DEFAULTS: dict[str, Any] = {"source": "", "version": "", "error": None, "capabilities": {},
                     "conventions": {}, "deviations": [], "stale_deviations": []}
-BENCH_KEYS = {"backend": str, "op": str, "dtype": str, "shape": list, "pass": str}
 BENCH_DEFAULTS: dict[str, Any] = {"series": "table", "ms": None, "gbps": None, "copy_gbps": None,
                                   "copy_before_gbps": None, "copy_after_gbps": None,
                                   "of_copy": None, "vs_torch": None, "vs_torch_note": "",
@@ -206,43 +204,182 @@ def new_document() -> dict:
             "tolerances": [], "records": [], "benchmarks": []}
 
 
-# ------------------------------------------------------------------ validation
-def _check_keys(obj, keys: dict, what: str, source: str) -> None:
-    if not isinstance(obj, dict):
-        raise ResultsError(f"{source}: {what} is {type(obj).__name__}, not an object")
-    for k, t in keys.items():
-        if k not in obj:
-            raise ResultsError(f"{source}: {what} has no {k!r}")
-        if not isinstance(obj[k], t):
-            raise ResultsError(f"{source}: {what} has {k} = {obj[k]!r}, not a {t.__name__}")
+# ------------------------------------------------------------------ the format's fields
+class ListOf:
+    """A JSON array whose every item has the form `item`; of `length` items, where given."""
+
+    def __init__(self, item, length: int | None = None):
+        self.item, self.length = item, length
 
 
-_MEASURE = (int, float, type(None))  # after number(): "inf"/"nan" are floats by then
-#: The JSON types of the optional fields the report reads (a value of another type is
-#: refused by name here, not met as a traceback while the report is drawn).
-RECORD_TYPES: dict[str, Any] = {
-    "message": str, "quantity": str, "note": str, "inputs": str, "repro": str, "reason": str,
-    "run": str, "worst": dict, "diagnosis": dict, "seed": (int, type(None)),
-    **{k: _MEASURE for k in MEASURES}}
-RUN_TYPES: dict[str, Any] = {k: (int, type(None)) if v is None else
-                             (int, float) if isinstance(v, float) else type(v)
-                             for k, v in RUN_DEFAULTS.items()}
-BACKEND_TYPES: dict[str, Any] = {k: (str, type(None)) if v is None else type(v)
-                                 for k, v in BACKEND_DEFAULTS.items()}
+class MapOf:
+    """A JSON object whose every value has the form `value`, whatever its keys."""
+
+    def __init__(self, value):
+        self.value = value
 
 
-def _check_types(obj: dict, types: dict, what: str, source: str) -> None:
-    for k, t in types.items():
-        allowed = t if isinstance(t, tuple) else (t,)
-        v = obj.get(k)
-        if k in obj and (not isinstance(v, allowed) or isinstance(v, bool) and bool not in allowed):
-            names = " or ".join("null" if x is type(None) else x.__name__ for x in allowed)
-            raise ResultsError(f"{source}: {what} has {k} = {repr(v)[:80]}, not {names}")
+class Shape:
+    """A JSON object whose named fields have their forms where present, and whose
+    `required` fields are present (in a non-empty object only, where `empty_ok`: a
+    record's `worst` is {} where nothing was measured). Fields it does not name are not
+    read by normspec, and are left alone."""
+
+    def __init__(self, fields: dict, required: tuple = (), empty_ok: bool = False):
+        self.fields, self.required, self.empty_ok = fields, required, empty_ok
+
+
+#: Any value: one the report only prints.
+ANY = object
+#: A measure, after decoding: "inf", "-inf" and "nan" are floats by then (see `number`).
+NUMBER = (int, float)
+MEASURE = (int, float, None)
+TEXTS = ListOf(str)
+#: A unit of work, [backend, check, dtype], and a (check, dtype) pair.
+UNIT = ListOf(str, 3)
+PAIR = ListOf(str, 2)
+DEVIATION = Shape({"check": str, "except_check": str, "op": (str, None), "dtype": (str, None),
+                   "quantity": (str, None), "reason": ANY}, required=("reason",))
+
+#: Every field of the format that normspec reads, with its form: the one definition
+#: `validate` and `from_stream` hold a file to, so that a value of another form is refused
+#: by name (exit code 2) before any work, never met as a traceback while the report is
+#: drawn (found by a review: a fail record's worst.ulp = "big" ended `normspec report`
+#: with a traceback).
+FORMS: dict[str, Shape] = {
+    "run": Shape({"run": str, "id": str, "created": str, "started": NUMBER, "seed": (int, None),
+                  "host": str, "cpu": str, "platform": str, "python": str,
+                  "versions": MapOf(str), "argv": TEXTS, "duration_s": MEASURE,
+                  "complete": bool, "stopped_by": str, "planned": int,
+                  "not_reached": ListOf(UNIT), "shard": str, "replicas": (int, None),
+                  "pairs": ListOf(PAIR), "unreadable_lines": ListOf(int)},
+                 required=("run",)),
+    "backend": Shape({"name": str, "available": bool, "run": str, "source": str, "version": str,
+                      "error": (str, None),
+                      "capabilities": Shape({"ops": TEXTS, "dtypes": TEXTS, "gradients": TEXTS}),
+                      "conventions": Shape({"reasons": MapOf(ANY), "eps_zero": dict,
+                                            "default_eps": dict}),
+                      "deviations": ListOf(DEVIATION), "stale_deviations": ListOf(DEVIATION)},
+                     required=("name", "available", "run")),
+    "record": Shape({"backend": str, "check": str, "claim": str, "op": str, "dtype": str,
+                     "case": str, "status": str, "message": str, "quantity": str, "note": str,
+                     "inputs": str, "repro": str, "reason": str, "run": str, "seed": (int, None),
+                     **{k: MEASURE for k in MEASURES},
+                     "worst": Shape({"ulp": NUMBER, "bound": NUMBER, "what": str, "quantity": str,
+                                     "index": ANY, "expected": ANY, "got": ANY},
+                                    required=WORST_MEASURES, empty_ok=True),
+                     "diagnosis": Shape({"op": str, "matches": TEXTS, "tried": TEXTS,
+                                         "skipped": TEXTS, "within_envelope": TEXTS,
+                                         "details": MapOf(Shape({"description": str,
+                                                                 "seen_in": str},
+                                                                required=("description",
+                                                                          "seen_in")))})},
+                    required=("backend", "check", "claim", "op", "dtype", "case", "status")),
+    "tolerance": Shape({"quantity": str, "base_ulps": NUMBER, "fixed": NUMBER, "growth": NUMBER,
+                        "reason": str}, required=("quantity", "base_ulps")),
+    "benchmark": Shape({"backend": str, "op": str, "dtype": str, "shape": ListOf(int), "pass": str,
+                        "variant": str, "series": str, **{k: MEASURE for k in BENCH_MEASURES},
+                        "vs_torch_note": str, "reliable": bool, "timed": str, "error": str,
+                        "attempts": (int, None), "round": (int, None), "pid": (int, None),
+                        "run": str},
+                       required=("backend", "op", "dtype", "shape", "pass")),
+    # the lines of a stream (see the module doc); its backend and record lines hold the
+    # forms above
+    "header": Shape({"stream": str, "version": int, "run": dict, "tolerances": list,
+                     "plan": ListOf(UNIT)}, required=("run", "plan")),
+    "end": Shape({"complete": bool, "stopped_by": str, "duration_s": MEASURE}),
+}
+
+
+def _describe(form) -> str:
+    """A form in words, for the message that refuses a value."""
+    if isinstance(form, Shape):
+        return "an object"
+    if isinstance(form, MapOf):
+        return f"an object, each value {_describe(form.value)}"
+    if isinstance(form, ListOf):
+        return ("a list" + (f" of {form.length} items" if form.length is not None else "")
+                + f", each {_describe(form.item)}")
+    names = {str: "a string", bool: "true or false", int: "a whole number", float: "a number",
+             list: "a list", dict: "an object", None: "null"}
+    types = form if isinstance(form, tuple) else (form,)
+    if float in types:
+        types = tuple(t for t in types if t is not int)
+    return " or ".join(names.get(t, "a value") for t in types)
+
+
+def _shown(value) -> str:
+    """A value as the file holds it (JSON), cut to 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is(value, types) -> bool:
+    """Whether `value` is of one of the JSON `types` (None: null; a bool is no number)."""
+    for t in types if isinstance(types, tuple) else (types,):
+        if t is None and value is None or t is ANY:
+            return True
+        if t is not None and isinstance(value, t) and (t is bool or not isinstance(value, bool)):
+            return True
+    return False
+
+
+def _problem(value, form, path: str) -> tuple[str, str] | None:
+    """The first place where `value` departs from `form`: (path, what is wrong), or None.
+    `path` names the value as the message will ("worst.ulp", "not_reached[2]")."""
+    wrong = (path, f"= {_shown(value)}, not {_describe(form)}")
+    if isinstance(form, Shape):
+        return _shape_problem(value, form, path) if isinstance(value, dict) else wrong
+    if isinstance(form, ListOf):
+        if not isinstance(value, list) or form.length not in (None, len(value)):
+            return wrong
+        return _first_problem(enumerate(value), form.item, path)
+    if isinstance(form, MapOf):
+        return _first_problem(value.items(), form.value, path) if isinstance(value, dict) \
+            else wrong
+    return None if _is(value, form) else wrong
+
+
+def _shape_problem(value: dict, form: Shape, path: str) -> tuple[str, str] | None:
+    """The first required field missing from an object, or the first field of another form."""
+    if value or not form.empty_ok:
+        for key in form.required:
+            if key not in value:
+                return (f"{path}.{key}" if path else key), "missing"
+    for key, sub in form.fields.items():
+        found = key in value and _problem(value[key], sub, f"{path}.{key}" if path else key)
+        if found:
+            return found
+    return None
+
+
+def _first_problem(items, form, path: str) -> tuple[str, str] | None:
+    """The first of the (key, item) pairs of a list or object whose item departs from `form`."""
+    for key, item in items:
+        found = _problem(item, form, f"{path}[{key!r}]")
+        if found:
+            return found
+    return None
+
+
+def check_form(value, kind: str, what: str, source: str) -> None:
+    """ResultsError, one line naming the file, the entry and the field, where `value`
+    is not of the form FORMS[kind] gives."""
+    found = _problem(value, FORMS[kind], "")
+    if found:
+        path, wrong = found
+        if wrong == "missing":
+            raise ResultsError(f"{source}: {what} has no {path!r}")
+        raise ResultsError(f"{source}: {what} " + (f"has {path} {wrong}" if path else f"is {wrong[2:]}"))
 
 
 def validate(doc, source: str = "results") -> dict:
-    """`doc` if it is a readable results document, with measures decoded; else
-    ResultsError naming the first problem."""
+    """`doc` if it is a readable results document, with measures decoded and every
+    optional field filled in; else ResultsError naming the first problem (the file, the
+    entry, the field and its value). Every field normspec reads is checked (FORMS)."""
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise ResultsError(f"{source} is not a normspec results file (schema != {SCHEMA!r})")
     if doc.get("version") not in READABLE_VERSIONS:
@@ -251,32 +388,37 @@ def validate(doc, source: str = "results") -> dict:
     for key in ("runs", "backends", "records"):
         if not isinstance(doc.get(key), list):
             raise ResultsError(f"{source} has no list {key!r}")
-    for i, run in enumerate(doc["runs"]):
-        _check_keys(run, {"run": str}, f"run {i}", source)
-        _check_types(run, RUN_TYPES, f"run {i}", source)
-        doc["runs"][i] = {**RUN_DEFAULTS, **run}
-    for i, b in enumerate(doc["backends"]):
-        _check_keys(b, BACKEND_KEYS, f"backend {i}", source)
-        _check_types(b, BACKEND_TYPES, f"backend {i}", source)
-        _check_types(b.get("conventions", {}), {"reasons": dict}, f"backend {i}'s conventions",
-                     source)
-        doc["backends"][i] = {**BACKEND_DEFAULTS, **b}
-    for i, r in enumerate(doc["records"]):
-        _check_keys(r, RECORD_KEYS, f"record {i}", source)
-        if r["status"] not in STATUSES:
-            raise ResultsError(f"{source}: record {i} has unknown status {r['status']!r}")
-        doc["records"][i] = decode_record(r)
-        _check_types(doc["records"][i], RECORD_TYPES, f"record {i}", source)
     for key in ("tolerances", "benchmarks"):
         if not isinstance(doc.setdefault(key, []), list):
             raise ResultsError(f"{source} has {key!r} that is not a list")
+    for i, run in enumerate(doc["runs"]):
+        check_form(run, "run", f"run {i}", source)
+        doc["runs"][i] = {**RUN_DEFAULTS, **run}
+    for i, b in enumerate(doc["backends"]):
+        check_form(b, "backend", f"backend {i}", source)
+        doc["backends"][i] = {**BACKEND_DEFAULTS, **b}
+    for i, r in enumerate(doc["records"]):
+        if isinstance(r, dict) and r.get("status", STATUSES[0]) not in STATUSES:
+            raise ResultsError(f"{source}: record {i} has unknown status {r['status']!r}")
+        doc["records"][i] = decode_record(r) if isinstance(r, dict) else r
+        check_form(doc["records"][i], "record", f"record {i}", source)
     for i, t in enumerate(doc["tolerances"]):
-        if not isinstance(t, dict):
-            raise ResultsError(f"{source}: tolerance {i} is {type(t).__name__}, not an object")
+        decoded = _decoded(t, ("base_ulps", "fixed", "growth"))
+        check_form(decoded, "tolerance", f"tolerance {i}", source)
+        doc["tolerances"][i] = decoded
     for i, b in enumerate(doc["benchmarks"]):
-        _check_keys(b, BENCH_KEYS, f"benchmark {i}", source)
-        doc["benchmarks"][i] = _bench_defaults(b)
+        decoded = _decoded(b, BENCH_MEASURES)
+        check_form(decoded, "benchmark", f"benchmark {i}", source)
+        doc["benchmarks"][i] = _bench_defaults(decoded)
     return doc
+
+
+def _decoded(entry, measures) -> Any:
+    """An entry with its `measures` read back as numbers ("inf" to inf); not an object:
+    as it is, for check_form to refuse."""
+    if not isinstance(entry, dict):
+        return entry
+    return {k: (number(v) if k in measures else v) for k, v in entry.items()}
 
 
 def _bench_defaults(b: dict) -> dict:
@@ -482,39 +624,29 @@ class Stream:
 
 
 def from_stream(text: str, source: str = "stream") -> dict:
-    """The document a stream describes; without an end line it is marked killed."""
+    """The document a stream describes; without an end line it is marked not finished
+    (still running, or killed). Each line is held to its form (FORMS) and refused by its
+    number."""
     lines = text.splitlines()
     objs = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            objs.append(json.loads(line, parse_constant=_reject_constant))
+            objs.append((n, json.loads(line, parse_constant=_reject_constant)))
         except ValueError as exc:
             if n == len(lines):  # the last line, cut short by a kill mid-write
                 break
             raise ResultsError(f"{source}: line {n} is not valid JSON ({exc})") from None
-    if not objs or not isinstance(objs[0], dict) or objs[0].get("stream") != SCHEMA:
+    if not objs or not isinstance(objs[0][1], dict) or objs[0][1].get("stream") != SCHEMA:
         raise ResultsError(f"{source} is not a normspec results stream (no header line)")
-    head = objs[0]
-    if not isinstance(head.get("run"), dict) or not isinstance(head.get("plan"), list):
-        raise ResultsError(f"{source}: the header line has no 'run' or no 'plan'")
+    head = objs[0][1]
+    check_form(head, "header", f"the header line (line {objs[0][0]})", source)
     doc = new_document()
     run = dict(head["run"])
     doc["runs"].append(run)
     doc["tolerances"] = head.get("tolerances", [])
-    done, end = set(), None
-    for obj in objs[1:]:
-        if not isinstance(obj, dict):
-            raise ResultsError(f"{source}: a line holds {type(obj).__name__}, not an object")
-        if "backend" in obj:
-            doc["backends"].append(obj["backend"])
-        elif "record" in obj:
-            doc["records"].append(obj["record"])
-        elif "done" in obj:
-            done.add(tuple(obj["done"]))
-        elif "end" in obj:
-            end = obj["end"]
+    done, end = _read_lines(objs[1:], doc, source)
     run["planned"] = len(head["plan"])
     run["not_reached"] = [u for u in head["plan"] if tuple(u) not in done]
     if end is None:
@@ -523,6 +655,37 @@ def from_stream(text: str, source: str = "stream") -> dict:
         run.update(complete=bool(end.get("complete")) and not run["not_reached"],
                    stopped_by=end.get("stopped_by", ""), duration_s=end.get("duration_s"))
     return validate(doc, source)
+
+
+#: The kinds of line a stream holds after its header, each an object of one key.
+LINE_KINDS = ("backend", "record", "done", "end")
+
+
+def _read_lines(objs: list[tuple[int, Any]], doc: dict, source: str) -> tuple[set, dict | None]:
+    """Fill `doc` from a stream's lines after the header ((line number, object) pairs):
+    backends and records (validated with the document), and return the units done and
+    the end line's object (None without one)."""
+    done: set[tuple] = set()
+    end = None
+    for n, obj in objs:
+        kind = next((k for k in LINE_KINDS if isinstance(obj, dict) and k in obj), None)
+        if kind is None:
+            what = f"an object without any of {', '.join(LINE_KINDS)}" if isinstance(obj, dict) \
+                else f"{type(obj).__name__}, not an object"
+            raise ResultsError(f"{source}: line {n} holds {what}")
+        value = obj[kind]
+        if kind == "done":
+            found = _problem(value, UNIT, "")
+            if found:
+                raise ResultsError(f"{source}: line {n} has done = {_shown(value)}, not "
+                                   f"{_describe(UNIT)}")
+            done.add(tuple(value))
+        elif kind == "end":
+            check_form(value, "end", f"the end line (line {n})", source)
+            end = value
+        else:
+            doc[kind + "s"].append(value)
+    return done, end
 
 
 __all__ = ["FAILING", "STATUSES", "Record", "ResultsError", "Stream", "encode", "merge", "read",
