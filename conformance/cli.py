@@ -623,7 +623,20 @@ def cmd_report(args) -> int:
           + (f", {incomplete} incomplete run(s)" if incomplete else "")
           + (f", {left_out} records of {len(superseded)} unit(s) superseded by later runs"
              if superseded else "") + ")")
+    for f, doc in zip(files, docs, strict=True):
+        _warn_unreadable(f, doc)
     return 0
+
+
+def _warn_unreadable(path: Path, doc: dict) -> None:
+    """One line on stderr for a stream with lines that could not be read: the report
+    holds every other line's records, and says so too."""
+    lost = [n for run in doc["runs"] for n in run.get("unreadable_lines") or []]
+    if lost:
+        shown = ", ".join(map(str, lost[:10])) + (", ..." if len(lost) > 10 else "")
+        _tell(f"normspec report: warning: {path}: {len(lost)} line(s) could not be read "
+              f"(line {shown}): what they held is not in the report; every other line's "
+              "records are")
 
 
 # ------------------------------------------------------------------ bench

@@ -19,7 +19,8 @@ Document (schema "normspec-results", version 2; version 1 files are read too):
                "versions": {package: version}, "argv": [...], "duration_s": float,
                "complete": bool, "stopped_by": "" | "SIGINT" | "SIGTERM" | "killed",
                "planned": int, "not_reached": [[backend, check, dtype], ...],
-               "shard": "" | "K/N", "replicas": int}],
+               "shard": "" | "K/N", "replicas": int, "pairs": [[check, dtype], ...],
+               "unreadable_lines": [line number, ...]}],
      "backends": [{"name", "source", "version", "available", "error",
                    "capabilities", "conventions", "deviations", "run"}],
      "tolerances": [{"quantity", "base_ulps", "fixed", "growth", "reason"}],
@@ -41,7 +42,9 @@ Stream: the first line is {"stream": "normspec-results", "version": 2, "run": {.
 "tolerances": [...], "plan": [[backend, check, dtype], ...]}; then lines {"backend": {...}},
 {"record": {...}} and {"done": [backend, check, dtype]} (a unit finished); the last line,
 when the run ended in an orderly way, is {"end": {"complete": bool, "stopped_by": ...,
-"duration_s": ...}}.
+"duration_s": ...}}. A line that cannot be read (damaged on disk) is skipped and its
+number kept in the run's "unreadable_lines" (read back only: a document written by a run
+has none).
 
 Non-finite numbers are data: a backend's inf or NaN must reach the report. Strict JSON
 has no token for them, so every float that is not finite is written as the string
@@ -101,7 +104,7 @@ BENCH_DEFAULTS: dict[str, Any] = {"series": "table", "ms": None, "gbps": None, "
 RUN_DEFAULTS: dict[str, Any] = {"id": "", "created": "", "started": 0.0, "seed": None, "host": "", "cpu": "",
                 "platform": "", "python": "", "versions": {}, "argv": [], "complete": True,
                 "stopped_by": "",
-                "not_reached": [], "shard": "", "replicas": None}
+                "not_reached": [], "shard": "", "replicas": None, "unreadable_lines": []}
 
 
 class ResultsError(ValueError):
@@ -458,11 +461,12 @@ def read(path) -> dict:
     """A document from a `.json` document or a `.jsonl` stream (see the module doc)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        if path.suffix == ".jsonl":  # (decoded line by line: see from_stream)
+            return from_stream(data, str(path))
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ResultsError(f"cannot read {path}: {exc}") from None
-    if path.suffix == ".jsonl":
-        return from_stream(text, str(path))
     return validate(_loads(text, str(path)), str(path))
 
 
@@ -623,25 +627,21 @@ class Stream:
         self._f.close()
 
 
-def from_stream(text: str, source: str = "stream") -> dict:
+def from_stream(data: bytes | str, source: str = "stream") -> dict:
     """The document a stream describes; without an end line it is marked not finished
-    (still running, or killed). Each line is held to its form (FORMS) and refused by its
-    number."""
-    lines = text.splitlines()
-    objs = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            objs.append((n, json.loads(line, parse_constant=_reject_constant)))
-        except ValueError as exc:
-            if n == len(lines):  # the last line, cut short by a kill mid-write
-                break
-            raise ResultsError(f"{source}: line {n} is not valid JSON ({exc})") from None
-    if not objs or not isinstance(objs[0][1], dict) or objs[0][1].get("stream") != SCHEMA:
+    (still running, or killed). A line that cannot be read (not UTF-8, not JSON: a hole of
+    NUL bytes a crash leaves on some filesystems, the last line cut short by a kill, bytes
+    after it) costs that line alone: its number is kept in the run's `unreadable_lines`,
+    which the report and `normspec report` tell, and every other line is read (one such
+    line refused the whole stream: found by a review). A line that reads but is not of its
+    form (FORMS) is refused by number."""
+    objs, unreadable = _stream_objects(data if isinstance(data, bytes) else
+                                       data.encode("utf-8", "surrogateescape"))
+    if not objs or objs[0][0] != 1 or not isinstance(objs[0][1], dict) \
+            or objs[0][1].get("stream") != SCHEMA:
         raise ResultsError(f"{source} is not a normspec results stream (no header line)")
     head = objs[0][1]
-    check_form(head, "header", f"the header line (line {objs[0][0]})", source)
+    check_form(head, "header", "the header line (line 1)", source)
     doc = new_document()
     run = dict(head["run"])
     doc["runs"].append(run)
@@ -649,12 +649,27 @@ def from_stream(text: str, source: str = "stream") -> dict:
     done, end = _read_lines(objs[1:], doc, source)
     run["planned"] = len(head["plan"])
     run["not_reached"] = [u for u in head["plan"] if tuple(u) not in done]
+    run["unreadable_lines"] = unreadable
     if end is None:
         run.update(complete=False, stopped_by="killed (the stream has no end line)")
     else:
         run.update(complete=bool(end.get("complete")) and not run["not_reached"],
                    stopped_by=end.get("stopped_by", ""), duration_s=end.get("duration_s"))
     return validate(doc, source)
+
+
+def _stream_objects(data: bytes) -> tuple[list[tuple[int, Any]], list[int]]:
+    """(line number, JSON value) of every line of a stream that reads, and the numbers of
+    the lines that do not (blank lines are neither)."""
+    objs, unreadable = [], []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            objs.append((n, json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)))
+        except ValueError:  # (a UnicodeDecodeError is one)
+            unreadable.append(n)
+    return objs, unreadable
 
 
 #: The kinds of line a stream holds after its header, each an object of one key.

@@ -195,6 +195,9 @@ def build_context(doc: dict) -> dict:
         counts[_record_column(r, doc)][r["status"]] += 1
     verdicts = []
     incomplete = {run["run"] for run in doc["runs"] if not run.get("complete", True)}
+    damaged = Counter()
+    for run in doc["runs"]:
+        damaged[run["run"]] += len(run.get("unreadable_lines") or [])
     for b in doc["backends"]:
         col = b["name"] if b["name"] in columns else f"{b['name']} ({b['run']})"
         c = counts[col]
@@ -209,6 +212,9 @@ def build_context(doc: dict) -> dict:
             line += f"; {c['deviation']} documented deviation(s)"
         if b["run"] in incomplete:
             line += " (incomplete run: not every check ran)"
+        if damaged.get(b["run"]):
+            line += (f" ({damaged[b['run']]} line(s) of its run's stream could not be read: "
+                     "records may be missing)")
         verdicts.append({"column": col, "backend": b, "counts": dict(c), "line": line,
                          "failing": failing})
     findings = [dict(r, claim_text=claim_text(r["claim"]), anchor=anchor[id(r)]) for r in findings]

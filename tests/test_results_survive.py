@@ -333,6 +333,44 @@ def test_a_killed_run_leaves_a_readable_stream(tmp_path):
     assert "incomplete run" in html and "killed" in html
 
 
+def _written_stream(path: Path, records: int) -> None:
+    """A finished stream of one backend's one unit with `records` pass records."""
+    stream = results.Stream(path, run={"run": "r", "id": "x", "created": "2026-12-02T01:00:00"},
+                            tolerances=[], plan=[["b", "F2.values", "float32"]])
+    stream.backend({"name": "b", "available": True, "run": "r"})
+    for k in range(records):
+        stream.record(results.Record(backend="b", check="F2.values", claim="F2",
+                                     op="layer_norm", dtype="float32", case=f"case {k}",
+                                     status="pass", run="r").to_json())
+    stream.done(("b", "F2.values", "float32"))
+    stream.end(complete=True, stopped_by="", duration_s=1.0)
+    stream.close()
+
+
+def test_a_damaged_line_costs_that_line_alone(tmp_path):
+    """A hole of NUL bytes in the middle of a stream (what a crash leaves on some
+    filesystems) refused the whole stream ("line 101 is not valid JSON"), and bytes that
+    are not UTF-8 after its last line made it unreadable (found by a review). Every line
+    that reads is kept; the lost ones are counted, on stderr and in the report."""
+    path = tmp_path / "r.jsonl"
+    _written_stream(path, 6)
+    lines = path.read_bytes().split(b"\n")
+    lines[3] = b"\0" * len(lines[3])  # line 4, the second record
+    path.write_bytes(b"\n".join(lines) + b"\xff\xfe\x00\x81 after the end")
+    doc = results.read(path)
+    assert [r["case"] for r in doc["records"]] == [f"case {k}" for k in (0, 2, 3, 4, 5)]
+    assert doc["runs"][0]["unreadable_lines"] == [4, len(lines)]
+    proc = normspec(tmp_path, "report", "r.jsonl", "-o", "r.html")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert f"r.jsonl: 2 line(s) could not be read (line 4, {len(lines)})" in line, line
+    page = Page()
+    page.feed((tmp_path / "r.html").read_text(encoding="utf-8"))
+    text = " ".join(" ".join(page.text).split())
+    assert "damaged stream" in text and "2 line(s) of its stream could not be read" in text
+    assert "records may be missing" in text  # on the backend's verdict
+
+
 def test_a_small_run_after_a_big_one_leaves_it_intact(tmp_path):
     big = normspec(tmp_path, "run", "--backend", "numpy", "--check", "F2", "--check", "F3",
                    "--label", "big", "--quiet")
