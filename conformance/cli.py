@@ -621,11 +621,27 @@ def cmd_report(args) -> int:
     print(f"report: {path} ({len(docs)} result file(s), "
           f"{sum(len(d['records']) for d in docs) - left_out} records"
           + (f", {incomplete} incomplete run(s)" if incomplete else "")
-          + (f", {left_out} records of {len(superseded)} unit(s) superseded by later runs"
-             if superseded else "") + ")")
+          + (f", {left_out} records of {len(superseded)} unit(s) superseded" if superseded
+             else "") + ")")
+    for line in _superseded_lines(superseded):
+        print(line)
     for f, doc in zip(files, docs, strict=True):
         _warn_unreadable(f, doc)
     return 0
+
+
+def _superseded_lines(superseded: list[dict]) -> list[str]:
+    """What a merge left out, one line per file and the file that displaced it: how many
+    records, how many of them failing, and why (results.merge)."""
+    why = {"later": "a later run", "finished": "the run that finished them, where this one did not"}
+    totals: dict[tuple, Counter] = {}
+    for u in superseded:
+        key = (u["file"], u["by"], u["because"])
+        totals.setdefault(key, Counter()).update(records=u["records"], failing=u["failing"],
+                                                 units=1)
+    return [f"  left out: {c['records']} records of {c['units']} unit(s) of {file} "
+            f"({c['failing']} fail or error), superseded by {by}: {why[because]}"
+            for (file, by, because), c in totals.items()]
 
 
 def _warn_unreadable(path: Path, doc: dict) -> None:

@@ -475,13 +475,12 @@ def _unit(rec: dict) -> tuple:
     return rec.get("backend"), rec.get("run", ""), rec.get("check"), rec.get("dtype")
 
 
-def _newest_units(docs: list[dict]) -> dict[tuple, int]:
-    """Each unit's document: of the runs that hold it, one that finished it (its
-    `not_reached` does not list it: a killed run's half-done unit never displaces a whole
-    one, found by a review) before one that did not, then the one started last (created,
-    to the second, then `started`, which files written before it lack), then the later
-    document."""
-    owner: dict[tuple, tuple] = {}
+def _unit_ranks(docs: list[dict]) -> dict[tuple, dict[int, tuple]]:
+    """For each unit, the rank of each document that holds records of it: whether its run
+    finished the unit (its `not_reached` does not list it), when that run started
+    (created, to the second, then `started`, which files written before it lack), and
+    the document's position. The highest rank's records are counted (see merge)."""
+    ranks: dict[tuple, dict[int, tuple]] = {}
     for i, doc in enumerate(docs):
         when: dict[str, tuple] = {}
         unfinished: set[tuple] = set()
@@ -489,14 +488,21 @@ def _newest_units(docs: list[dict]) -> dict[tuple, int]:
             label = run.get("run", "")
             when[label] = max(when.get(label, ("", 0.0)),
                               (str(run.get("created") or ""), float(run.get("started") or 0.0)))
-            unfinished |= {(u[0], label, u[1], u[2]) for u in run.get("not_reached") or []
-                           if isinstance(u, list) and len(u) == 3}
+            unfinished |= {(u[0], label, u[1], u[2]) for u in run.get("not_reached") or []}
         for rec in doc.get("records", []):
             unit = _unit(rec)
-            rank = (unit not in unfinished, when.get(unit[1], ("", 0.0)), i)
-            if unit not in owner or owner[unit] <= rank:
-                owner[unit] = rank
-    return {unit: rank[-1] for unit, rank in owner.items()}
+            ranks.setdefault(unit, {})[i] = (unit not in unfinished, when.get(unit[1], ("", 0.0)), i)
+    return ranks
+
+
+def _left_out(unit: tuple, rank: tuple, kept: tuple, file: str, by: str) -> dict:
+    """The `superseded` entry of a unit's records in one file that another's displace,
+    saying why: `because` "finished" where the run kept finished the unit and this one did
+    not (a killed run's half-done unit, whichever started later), else "later" (the run
+    kept started later)."""
+    return {"backend": unit[0], "run": unit[1], "check": unit[2], "dtype": unit[3],
+            "records": 0, "failing": 0, "file": file, "by": by,
+            "because": "finished" if kept[0] and not rank[0] else "later"}
 
 
 def merge(docs: list[dict], names: list[str] | None = None) -> dict:
@@ -507,13 +513,17 @@ def merge(docs: list[dict], names: list[str] | None = None) -> dict:
     entries are found again over all its records: an entry one shard did not use may
     explain a record of another.
 
-    A unit (backend and run label, check, dtype) that several runs hold is taken from the
-    run created last, whole, and the others' records of it are left out: a merge of a
-    full run and a later run of one check counted that check's records twice (found by a
-    new user: `normspec report results/` after the README's own sequence). `superseded`
-    lists what was left out, and from which file (`names`, else its position)."""
+    A unit (backend and run label, check, dtype) that several runs hold is taken whole
+    from one run, and the others' records of it are left out: from the run that finished
+    it, of those that did (a killed run's half-done unit never displaces a whole one,
+    found by a review), then from the run started last (a merge of a full run and a later
+    run of one check counted that check's records twice: found by a new user). The runs
+    of one unit are of one host (check_mergeable refuses two). `superseded` lists what
+    was left out, how much of it failing, from which file (`names`, else its position),
+    for which file's records, and why."""
     out = new_document()
-    owner = _newest_units(docs)
+    ranks = _unit_ranks(docs)
+    owner = {unit: max(held.values())[-1] for unit, held in ranks.items()}
     names = names or [f"document {i + 1}" for i in range(len(docs))]
     dropped: dict[tuple, dict] = {}
     for i, doc in enumerate(docs):
@@ -524,10 +534,10 @@ def merge(docs: list[dict], names: list[str] | None = None) -> dict:
             if owner[unit] == i:
                 out["records"].append(rec)
                 continue
-            entry = dropped.setdefault((unit, i), {
-                "backend": unit[0], "run": unit[1], "check": unit[2], "dtype": unit[3],
-                "records": 0, "file": names[i], "by": names[owner[unit]]})
+            entry = dropped.get((unit, i)) or dropped.setdefault((unit, i), _left_out(
+                unit, ranks[unit][i], ranks[unit][owner[unit]], names[i], names[owner[unit]]))
             entry["records"] += 1
+            entry["failing"] += rec.get("status") in FAILING
         if not out["tolerances"]:
             out["tolerances"] = doc.get("tolerances", [])
     out["backends"] = _fold_backends(out["backends"], out["records"])
@@ -552,6 +562,7 @@ def check_mergeable(docs: list[dict], names: list[str]) -> None:
                                    f"created {run.get('created') or '(no time)'}: its records "
                                    "would count twice")
             seen.setdefault(key, name)
+    _check_one_host_a_unit(docs, names)
     backends: dict[tuple, tuple] = {}
     for doc, name in zip(docs, names, strict=True):
         for b in doc.get("backends", []):
@@ -564,6 +575,30 @@ def check_mergeable(docs: list[dict], names: list[str]) -> None:
                     f"{name} and {version or '?'} ({source}) in {other}: two backends under "
                     "one name (give a run --label)")
             backends.setdefault(who, (what, name))
+
+
+def _check_one_host_a_unit(docs: list[dict], names: list[str]) -> None:
+    """ResultsError where one unit (backend, run label, check, dtype) was run on two hosts:
+    tox env names, the default label, are the same on every machine, and the merge kept
+    one machine's records of a unit and dropped the other's, failures included, with a
+    verdict of "conforms" (found by a review). Which machine's records count cannot be
+    told; different units of one label from several hosts (shards on several machines)
+    merge, and a re-run on one host supersedes. Files without a host cannot be told
+    apart, and are not refused."""
+    seen: dict[tuple, tuple[str, str]] = {}
+    for doc, name in zip(docs, names, strict=True):
+        hosts = {run.get("run", ""): run.get("host") or "" for run in doc.get("runs", [])}
+        for rec in doc.get("records", []):
+            unit, host = _unit(rec), hosts.get(rec.get("run", ""), "")
+            other_host, other = seen.setdefault(unit, (host, name))
+            if host and other_host and host != other_host:
+                raise ResultsError(
+                    f"backend {unit[0]!r} of run {unit[1]!r} ran {unit[2]} {unit[3]} on host "
+                    f"{other_host!r} ({other}) and on host {host!r} ({name}): which "
+                    "machine's records count cannot be told (give each machine its own "
+                    "--label)")
+            if not other_host and host:
+                seen[unit] = (host, name)
 
 
 def _fold_backends(backends: list[dict], records: list[dict]) -> list[dict]:

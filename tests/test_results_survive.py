@@ -954,15 +954,89 @@ def test_a_merge_counts_a_check_run_twice_once_the_later_run(tmp_path):
     assert f"superseded by results/{second.name}" in page
 
 
-def _doc(label, created, started, records, not_reached=()):
+def _doc(label, created, started, records, not_reached=(), host="", check="F2.values"):
     return {"schema": results.SCHEMA, "version": results.VERSION,
-            "runs": [{"run": label, "id": f"{label}{created}{started}", "created": created,
-                      "started": started, "complete": not not_reached,
+            "runs": [{"run": label, "id": f"{label}{created}{started}{host}", "created": created,
+                      "started": started, "complete": not not_reached, "host": host,
                       "not_reached": [list(u) for u in not_reached]}],
-            "backends": [], "tolerances": [], "benchmarks": [],
-            "records": [{"backend": "b", "check": "F2.values", "claim": "F2", "op": "layer_norm",
+            "backends": [{"name": "b", "available": True, "run": label}],
+            "tolerances": [], "benchmarks": [],
+            "records": [{"backend": "b", "check": check, "claim": "F2", "op": "layer_norm",
                          "dtype": "float32", "case": f"case {k}", "status": status,
                          "run": label} for k, status in enumerate(records)]}
+
+
+def _report(tmp_path, capsys, **docs):
+    """`normspec report` of these documents (name: document), in this process: (exit
+    code, stdout, stderr, the page's text or None)."""
+    from normspec.conformance import cli
+
+    paths = []
+    for name, doc in docs.items():
+        paths.append(str(tmp_path / f"{name}.json"))
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc), encoding="utf-8")
+    out = tmp_path / "merged.html"
+    rc = cli.main(["report", *paths, "-o", str(out)])
+    captured = capsys.readouterr()
+    page = None
+    if out.exists():
+        parsed = Page()
+        parsed.feed(out.read_text(encoding="utf-8"))
+        page = " ".join(" ".join(parsed.text).split())
+    return rc, captured.out, captured.err, page
+
+
+T1, T2 = "2026-12-02T01:00:00+00:00", "2026-12-02T02:00:00+00:00"
+
+
+def test_one_unit_run_on_two_hosts_under_one_label_is_refused(tmp_path, capsys):
+    """Two machines' runs with one label (tox env names are the same on every machine):
+    the merge kept the later machine's records of each unit and left out the earlier's,
+    its failures included, with a verdict of "conforms" (found by a review). Which
+    machine's records count cannot be told: the merge is refused, as one of two versions
+    under one name is."""
+    rc, out, err, page = _report(
+        tmp_path, capsys, a=_doc("ci", T1, 1.0, ["fail"] * 3, host="machine-A"),
+        b=_doc("ci", T2, 2.0, ["pass"] * 3, host="machine-B"))
+    assert (rc, out, page) == (2, "", None)
+    (line,) = err.strip().splitlines()
+    for words in ("'b' of run 'ci'", "F2.values float32", "'machine-A'", "'machine-B'",
+                  "a.json", "b.json", "give each machine its own --label"):
+        assert words in line, line
+
+
+def test_other_units_of_one_label_from_two_hosts_merge_into_one_column(tmp_path, capsys):
+    """(shards of one label on several machines)"""
+    from normspec.reports import html
+
+    a = _doc("ci", T1, 1.0, ["pass"], host="machine-A")
+    b = _doc("ci", T2, 2.0, ["fail"], host="machine-B", check="F3.values")
+    rc, out, err, page = _report(tmp_path, capsys, a=a, b=b)
+    assert rc == 0 and "superseded" not in out, err
+    context = html.build_context(results.merge([results.validate(a), results.validate(b)]))
+    assert context["columns"] == ["b"] and context["verdicts"][0]["failing"] == 1
+
+
+def test_a_rerun_says_how_much_of_what_it_left_out_failed_and_whose_it_kept(tmp_path, capsys):
+    """The notice said only "18 records of 8 unit(s) are left out: a later run ... holds
+    them", though three of them failed, and said "a later run" where the earlier run's
+    records were kept (a killed run's half-done unit; found by a review)."""
+    whole = _doc("same", T1, 1.0, ["fail"] * 3 + ["pass"] * 3, host="h")
+    rc, out, err, page = _report(tmp_path, capsys, whole=whole,
+                                 again=_doc("same", T2, 2.0, ["pass"], host="h"))
+    assert rc == 0, err
+    assert (f"left out: 6 records of 1 unit(s) of {tmp_path / 'whole.json'} (3 fail or error), "
+            f"superseded by {tmp_path / 'again.json'}: a later run") in out
+    assert "6 records of 1 unit(s) are left out, 3 of them fail or error" in page
+    assert "whose run started later" in page
+    killed = _doc("same", T2, 2.0, ["fail"], host="h",
+                  not_reached=[("b", "F2.values", "float32")])
+    rc, out, err, page = _report(tmp_path, capsys, whole=whole, killed=killed)
+    assert rc == 0, err
+    assert (f"left out: 1 records of 1 unit(s) of {tmp_path / 'killed.json'} (1 fail or error), "
+            f"superseded by {tmp_path / 'whole.json'}: the run that finished them") in out
+    assert "whose run finished the unit where this one did not" in page
+    assert "whose run started later" not in page
 
 
 def test_a_killed_run_never_displaces_a_unit_an_earlier_run_finished():
