@@ -520,8 +520,8 @@ def print_summary(doc: dict, out=None) -> int:
     rows: list[list[Any]] = [["backend", "version", *results.STATUSES, "verdict"]]
     for b in doc["backends"]:
         c: Counter | dict = counts.get(b["name"], {})
-        if not b["available"]:
-            rows.append([b["name"], "-", *["-"] * len(results.STATUSES),
+        if not b["available"]:  # (its load error, where recorded, is counted here)
+            rows.append([b["name"], "-", *[c.get(s, 0) for s in results.STATUSES],
                          f"unavailable: {str(b['error'])[:60]}"])
             continue
         failing = sum(c.get(s, 0) for s in results.FAILING)
@@ -616,14 +616,15 @@ def cmd_report(args) -> int:
     names = [str(f) for f in files]
     path = html.write_report(docs, out, names)
     incomplete = sum(not r.get("complete", True) for d in docs for r in d["runs"])
-    superseded = results.merge(docs, names)["superseded"]
+    merged = results.merge(docs, names)
+    superseded = merged["superseded"]
     left_out = sum(u["records"] for u in superseded)
     print(f"report: {path} ({len(docs)} result file(s), "
           f"{sum(len(d['records']) for d in docs) - left_out} records"
           + (f", {incomplete} incomplete run(s)" if incomplete else "")
           + (f", {left_out} records of {len(superseded)} unit(s) superseded" if superseded
              else "") + ")")
-    for line in _superseded_lines(superseded):
+    for line in _superseded_lines(superseded) + _incomplete_lines(merged):
         print(line)
     for f, doc in zip(files, docs, strict=True):
         _warn_unreadable(f, doc)
@@ -642,6 +643,22 @@ def _superseded_lines(superseded: list[dict]) -> list[str]:
     return [f"  left out: {c['records']} records of {c['units']} unit(s) of {file} "
             f"({c['failing']} fail or error), superseded by {by}: {why[because]}"
             for (file, by, because), c in totals.items()]
+
+
+def _incomplete_lines(merged: dict) -> list[str]:
+    """The merge's unfinished units (results.merge), one line per backend and run label,
+    and one per run label whose shards are not all here."""
+    groups: dict[tuple, Counter] = {}
+    for u in merged["unfinished"]:
+        groups.setdefault((u["backend"], u["run"]), Counter())[u["why"]] += 1
+    lines = [f"  incomplete: backend {name!r} of run {run!r}: " + ", ".join(
+        f"{c[why]} unit(s) {text}" for why, text in (
+            ("no record", "with no record, though runs of this label planned them"),
+            ("not finished", "not finished by any run here")) if c[why])
+        for (name, run), c in groups.items()]
+    return lines + [f"  missing shards: run label {label!r} lacks shard(s) {', '.join(shards)} "
+                    "(give all shards of a run one --label)"
+                    for label, shards in merged["missing_shards"].items()]
 
 
 def _warn_unreadable(path: Path, doc: dict) -> None:

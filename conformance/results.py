@@ -8,7 +8,7 @@ A run is written twice, so that nothing it did is ever lost:
 * when it ends (completely or interrupted), as one *document* (`<name>.json`), written
   atomically; the stream is then removed.
 
-`read()` takes either; a stream without its end line is a run that was killed, and
+`read()` takes either; a stream without its end line is a run still running or killed, and
 reads as an incomplete document.
 
 Document (schema "normspec-results", version 2; version 1 files are read too):
@@ -520,7 +520,11 @@ def merge(docs: list[dict], names: list[str] | None = None) -> dict:
     run of one check counted that check's records twice: found by a new user). The runs
     of one unit are of one host (check_mergeable refuses two). `superseded` lists what
     was left out, how much of it failing, from which file (`names`, else its position),
-    for which file's records, and why."""
+    for which file's records, and why.
+
+    Also: `unfinished`, the units no run here finished or holds though planned
+    (`_unfinished`); `missing_shards`, run label -> shards of it not here; and
+    `tolerance_tables`, each distinct table with the runs that used it."""
     out = new_document()
     ranks = _unit_ranks(docs)
     owner = {unit: max(held.values())[-1] for unit, held in ranks.items()}
@@ -540,8 +544,11 @@ def merge(docs: list[dict], names: list[str] | None = None) -> dict:
             entry["failing"] += rec.get("status") in FAILING
         if not out["tolerances"]:
             out["tolerances"] = doc.get("tolerances", [])
-    out["backends"] = _fold_backends(out["backends"], out["records"])
+    out["backends"] = _fold_backends(out["backends"], out["records"], out["runs"])
     out["superseded"] = list(dropped.values())
+    out["unfinished"] = _unfinished(docs, ranks, out["backends"])
+    out["missing_shards"] = missing_shards(out["runs"])
+    out["tolerance_tables"] = _tolerance_tables(docs)
     return out
 
 
@@ -566,6 +573,8 @@ def check_mergeable(docs: list[dict], names: list[str]) -> None:
     backends: dict[tuple, tuple] = {}
     for doc, name in zip(docs, names, strict=True):
         for b in doc.get("backends", []):
+            if not b.get("available"):  # (no version: a machine without it, a shard's)
+                continue
             who = (b.get("name"), b.get("run"))
             what = (b.get("version"), b.get("source"))
             if who in backends and backends[who][0] != what:
@@ -601,15 +610,22 @@ def _check_one_host_a_unit(docs: list[dict], names: list[str]) -> None:
                 seen[unit] = (host, name)
 
 
-def _fold_backends(backends: list[dict], records: list[dict]) -> list[dict]:
+def _fold_backends(backends: list[dict], records: list[dict], runs: list[dict]) -> list[dict]:
+    """One entry per backend and run label. Where a label's runs are several (a re-run) or
+    sharded, its stale deviation entries are found again over the merged records: an entry
+    one shard did not use may explain a record of another, and a sharded run leaves them
+    to the merge (runner.run). Not where shards of the label are missing
+    (`missing_shards`): an entry may explain a record of a shard not here."""
     from .deviations import stale
 
     groups: dict[tuple, list[dict]] = {}
     for b in backends:
         groups.setdefault((b.get("name"), b.get("run")), []).append(b)
+    sharded = {run.get("run") for run in runs if run.get("shard")}
+    partial = missing_shards(runs)
     out = []
     for (name, run), entries in groups.items():
-        if len(entries) == 1:
+        if (len(entries) == 1 and run not in sharded) or run in partial:
             out.append(entries[0])
             continue
         first = dict(next((e for e in entries if e.get("available")), entries[0]))
@@ -617,6 +633,75 @@ def _fold_backends(backends: list[dict], records: list[dict]) -> list[dict]:
         first["stale_deviations"] = stale(first.get("deviations") or [], mine)
         out.append(first)
     return out
+
+
+def missing_shards(runs: list[dict]) -> dict[str, list[str]]:
+    """Run label -> the shards ("K/N") of a sharded run that no run of that label here
+    is: a label of shard runs ("ci-1", "ci-2", ... one label per shard) or a shard not
+    given misses them. A label with an unsharded run misses none."""
+    shards: dict[str, set[str]] = {}
+    for run in runs:
+        shards.setdefault(run.get("run", ""), set()).add(run.get("shard") or "")
+    out = {}
+    for label, have in shards.items():
+        if "" in have:
+            continue
+        wanted = {f"{k}/{n}" for n in {int(s.split("/")[1]) for s in have}
+                  for k in range(1, n + 1)}
+        if wanted - have:
+            out[label] = sorted(wanted - have, key=lambda s: tuple(map(int, s.split("/")))[::-1])
+    return out
+
+
+def _planned(docs: list[dict]) -> set[tuple]:
+    """The units the runs planned, as far as their files say (runs[i].pairs, which files
+    written before it lack): a run's pairs for every backend its file lists under the
+    run's label, available or not (a shard on a machine without the backend lists it as
+    unavailable, and runs none of its units)."""
+    units = set()
+    for doc in docs:
+        for run in doc.get("runs", []):
+            label = run.get("run", "")
+            names = {b.get("name") for b in doc.get("backends", []) if b.get("run") == label}
+            units |= {(name, label, check, dtype) for name in names
+                      for check, dtype in run.get("pairs") or []}
+    return units
+
+
+def _unfinished(docs: list[dict], ranks: dict[tuple, dict[int, tuple]],
+                backends: list[dict]) -> list[dict]:
+    """The units of the merge that no run finished, judged on the merged units, not per
+    file (a killed run's unreached units that another run here finished are complete):
+    "not finished" where a run planned it and stopped before its end, "no record" where a
+    label's runs planned it for a backend that has no record of it under that label (a
+    shard on a machine where the backend was not installed). Only for a backend available
+    under the label somewhere here: one available nowhere says so in its verdict."""
+    stopped = {(u[0], run.get("run", ""), u[1], u[2]) for doc in docs
+               for run in doc.get("runs", []) for u in run.get("not_reached") or []}
+    available = {(b.get("name"), b.get("run")) for b in backends if b.get("available")}
+    out = []
+    for unit in sorted(stopped | _planned(docs)):
+        if any(rank[0] for rank in ranks.get(unit, {}).values()) or \
+                (unit not in stopped and unit[:2] not in available):
+            continue
+        out.append({"backend": unit[0], "run": unit[1], "check": unit[2], "dtype": unit[3],
+                    "why": "not finished" if unit in stopped or unit in ranks else "no record"})
+    return out
+
+
+def _tolerance_tables(docs: list[dict]) -> list[dict]:
+    """Each distinct tolerance table of the documents, with the runs that used it
+    ("label (created)"): a merge of runs of two normspec versions showed the first file's
+    table alone (found by a review)."""
+    tables: dict[str, dict] = {}
+    for doc in docs:
+        rows = doc.get("tolerances") or []
+        if not rows:  # (a bench has none)
+            continue
+        table = tables.setdefault(json.dumps(rows, sort_keys=True), {"rows": rows, "runs": []})
+        table["runs"] += [f"{run.get('run', '')} ({run.get('created') or 'no time'})"
+                          for run in doc.get("runs", [])]
+    return list(tables.values())
 
 
 def summarize(records: list[dict]) -> dict[str, Counter]:
@@ -686,7 +771,7 @@ def from_stream(data: bytes | str, source: str = "stream") -> dict:
     run["not_reached"] = [u for u in head["plan"] if tuple(u) not in done]
     run["unreadable_lines"] = unreadable
     if end is None:
-        run.update(complete=False, stopped_by="killed (the stream has no end line)")
+        run.update(complete=False, stopped_by=NOT_ENDED)
     else:
         run.update(complete=bool(end.get("complete")) and not run["not_reached"],
                    stopped_by=end.get("stopped_by", ""), duration_s=end.get("duration_s"))
@@ -707,6 +792,8 @@ def _stream_objects(data: bytes) -> tuple[list[tuple[int, Any]], list[int]]:
     return objs, unreadable
 
 
+#: What a stream without an end line says of its run: a run in progress reads so too.
+NOT_ENDED = "not finished: still running, or killed (the stream has no end line)"
 #: The kinds of line a stream holds after its header, each an object of one key.
 LINE_KINDS = ("backend", "record", "done", "end")
 

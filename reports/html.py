@@ -32,25 +32,36 @@ def _worst_status(statuses) -> str:
     return "unsupported"
 
 
-def _column_keys(doc) -> list[str]:
-    """One column per backend; a backend seen in several runs gets one per run."""
-    runs_of = defaultdict(list)
+def _column_namer(doc):
+    """(backend name, run label) -> its column: the name, or "name (label)" where the
+    name is seen under several labels, in the backends or in the records. The verdicts,
+    the columns and the cells all name a backend so: the verdict of a backend that did
+    not load looked its records up under another key than they were counted under, and
+    showed none of them (found by a review)."""
+    labels = defaultdict(set)
     for b in doc["backends"]:
-        if b["run"] not in runs_of[b["name"]]:
-            runs_of[b["name"]].append(b["run"])
+        labels[b["name"]].add(b["run"])
+    for r in doc["records"]:
+        labels[r["backend"]].add(r["run"])
+    return lambda name, run: name if len(labels[name]) <= 1 else f"{name} ({run})"
+
+
+def _column_keys(doc, column) -> list[str]:
+    """One column per backend and run label with records, or available: a backend that
+    did not load has one only for its load error, which is then in the matrix too."""
     keys = []
-    for b in doc["backends"]:
-        if not b["available"]:
-            continue  # listed in the verdicts with the reason; no column of empty cells
-        key = b["name"] if len(runs_of[b["name"]]) == 1 else f"{b['name']} ({b['run']})"
-        if key not in keys:
-            keys.append(key)
+    for name, run in [(b["name"], b["run"]) for b in doc["backends"] if b["available"]] + \
+            [(r["backend"], r["run"]) for r in doc["records"]]:
+        if column(name, run) not in keys:
+            keys.append(column(name, run))
     return keys
 
 
-def _record_column(rec, doc) -> str:
-    runs = {b["run"] for b in doc["backends"] if b["name"] == rec["backend"]}
-    return rec["backend"] if len(runs) <= 1 else f"{rec['backend']} ({rec['run']})"
+def _dtypes(doc) -> list[str]:
+    """The dtype columns: the known dtypes that have records, in order, then any other a
+    record names ("-" of a load error), so that every record has a cell."""
+    named = {r["dtype"] for r in doc["records"]}
+    return [d for d in results.DTYPES if d in named] + sorted(named - set(results.DTYPES))
 
 
 def _clean_svg(svg: str) -> str:
@@ -164,16 +175,16 @@ def _cell(records: list[dict], anchor: dict) -> dict:
 
 
 def build_context(doc: dict) -> dict:
-    columns = _column_keys(doc)
-    dtypes = [d for d in results.DTYPES
-              if any(r["dtype"] == d for r in doc["records"])]
+    column = _column_namer(doc)
+    columns = _column_keys(doc, column)
+    dtypes = _dtypes(doc)
     findings = [r for r in doc["records"] if r["status"] in ("fail", "error", "deviation", "refused")]
     findings.sort(key=lambda r: (STATUS_ORDER.index(r["status"]), r["backend"], r["check"]))
     anchor = {id(r): f"finding-{i}" for i, r in enumerate(findings)}
     cells = defaultdict(lambda: defaultdict(list))
     titles = {}
     for r in doc["records"]:
-        cells[r["check"]][(_record_column(r, doc), r["dtype"])].append(r)
+        cells[r["check"]][(column(r["backend"], r["run"]), r["dtype"])].append(r)
         titles.setdefault(r["check"], r)
     claims = defaultdict(list)
     for check_id, rec in titles.items():
@@ -190,17 +201,42 @@ def build_context(doc: dict) -> dict:
                                    for col in columns for d in dtypes]})
         matrix.append({"claim": claim, "text": claim_text(claim), "rows": rows,
                        "anchor": "claim-" + claim.replace("/", "-"), "detail": CLAIMS.get(claim)})
-    counts = defaultdict(Counter)
+    findings = [dict(r, claim_text=claim_text(r["claim"]), anchor=anchor[id(r)]) for r in findings]
+    unfinished = doc.get("unfinished", [])
+    tables = doc.get("tolerance_tables") or (
+        [{"rows": doc["tolerances"], "runs": []}] if doc["tolerances"] else [])
+    return {"doc": doc, "columns": columns, "dtypes": dtypes, "matrix": matrix,
+            "verdicts": _verdicts(doc, column, unfinished), "findings": findings,
+            "statuses": results.STATUSES, "stopped": _stopped_runs(doc, unfinished),
+            "incomplete": _incomplete_notice(unfinished), "tolerance_tables": tables,
+            "symbols": SYMBOL, "error_svg": _drawn(error_plot, doc),
+            "bench_svg": _drawn(bench_plot, doc, _figure_svg),
+            "curve_svg": _drawn(curve_plot, doc, _figure_svg),
+            "total": Counter(r["status"] for r in doc["records"])}
+
+
+def _verdicts(doc: dict, column, unfinished: list[dict]) -> list[dict]:
+    """One row per backend and run label, with the counts of its records: every record
+    is counted in the row of its backend, a load error's in its unavailable backend's
+    row, and a record whose backend no file lists in a row of its own (the header's
+    counts, the rows' and the matrix's agree). Incompleteness is judged on the merged
+    units (`unfinished`), not per file: a killed run merged with a run that finished its
+    units is whole, and a stopped bench says nothing of the checks of its label."""
+    counts: dict[tuple, Counter] = defaultdict(Counter)
     for r in doc["records"]:
-        counts[_record_column(r, doc)][r["status"]] += 1
-    verdicts = []
-    incomplete = {run["run"] for run in doc["runs"] if not run.get("complete", True)}
-    damaged = Counter()
+        counts[(r["backend"], r["run"])][r["status"]] += 1
+    open_units = Counter((u["backend"], u["run"]) for u in unfinished)
+    damaged: Counter = Counter()
     for run in doc["runs"]:
         damaged[run["run"]] += len(run.get("unreadable_lines") or [])
-    for b in doc["backends"]:
-        col = b["name"] if b["name"] in columns else f"{b['name']} ({b['run']})"
-        c = counts[col]
+    partial = doc.get("missing_shards", {})
+    entries = list(doc["backends"])
+    listed = {(b["name"], b["run"]) for b in entries}
+    entries += [{**results.BACKEND_DEFAULTS, "name": name, "run": run, "available": True,
+                 "unlisted": True} for name, run in counts if (name, run) not in listed]
+    verdicts = []
+    for b in entries:
+        c = counts[(b["name"], b["run"])]
         failing = c["fail"] + c["error"]
         if not b["available"]:
             line = f"unavailable: {b['error']}"
@@ -210,20 +246,39 @@ def build_context(doc: dict) -> dict:
             line = "conforms to every check it supports"
         if b["available"] and c["deviation"]:
             line += f"; {c['deviation']} documented deviation(s)"
-        if b["run"] in incomplete:
-            line += " (incomplete run: not every check ran)"
-        if damaged.get(b["run"]):
+        if b.get("unlisted"):
+            line += " (its files do not list this backend: only its records are known)"
+        if open_units[(b["name"], b["run"])]:
+            line += (f" (incomplete: {open_units[(b['name'], b['run'])]} unit(s) of it not "
+                     "finished or with no record; see above)")
+        if b["run"] in partial:
+            line += f" (shard(s) {', '.join(partial[b['run']])} of its run are not in this report)"
+        if damaged[b["run"]]:
             line += (f" ({damaged[b['run']]} line(s) of its run's stream could not be read: "
                      "records may be missing)")
-        verdicts.append({"column": col, "backend": b, "counts": dict(c), "line": line,
-                         "failing": failing})
-    findings = [dict(r, claim_text=claim_text(r["claim"]), anchor=anchor[id(r)]) for r in findings]
-    return {"doc": doc, "columns": columns, "dtypes": dtypes, "matrix": matrix,
-            "verdicts": verdicts, "findings": findings, "statuses": results.STATUSES,
-            "symbols": SYMBOL, "error_svg": _drawn(error_plot, doc),
-            "bench_svg": _drawn(bench_plot, doc, _figure_svg),
-            "curve_svg": _drawn(curve_plot, doc, _figure_svg),
-            "total": Counter(r["status"] for r in doc["records"])}
+        verdicts.append({"column": column(b["name"], b["run"]), "backend": b, "counts": dict(c),
+                         "line": line, "failing": failing})
+    return verdicts
+
+
+def _stopped_runs(doc: dict, unfinished: list[dict]) -> list[dict]:
+    """The runs that did not finish, each with how many of its unreached units no other
+    run here finished (`still_open`): the rest are whole in this report."""
+    still = {(u["backend"], u["run"], u["check"], u["dtype"]) for u in unfinished}
+    return [{"run": run, "still_open": sum((u[0], run["run"], u[1], u[2]) in still
+                                           for u in run["not_reached"])}
+            for run in doc["runs"] if not run.get("complete", True)]
+
+
+def _incomplete_notice(unfinished: list[dict]) -> list[dict]:
+    """The merge's unfinished units, one entry per backend and run label: how many were
+    not finished, how many have no record though planned, and which."""
+    groups: dict[tuple, dict] = {}
+    for u in unfinished:
+        g = groups.setdefault((u["backend"], u["run"]), {"backend": u["backend"], "run": u["run"],
+                                                         "not_finished": [], "no_record": []})
+        g[u["why"].replace(" ", "_")].append(f"{u['check']} {u['dtype']}")
+    return list(groups.values())
 
 
 def render(docs: list[dict], names: list[str] | None = None) -> str:

@@ -3,10 +3,12 @@ several runs, and rendered in headless Chromium, whose screenshot must not be bl
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 from normspec.conformance import cli, results, runner
 from normspec.conformance.claims import claim_text
+from normspec.reports import html
 
 CHECKS = ["F2.values", "B1.layer_norm_shift", "F3.values", "F4.running_stats"]
 
@@ -174,3 +177,49 @@ def test_report_renders_in_headless_chromium(merged, tmp_path):
     assert pixels.shape[0] > 500 and pixels.shape[1] >= 1400
     assert pixels.std() > 10, "the screenshot is blank"
     assert len(np.unique(pixels)) > 30, "the screenshot has almost no content"
+
+
+def _counts_shown(page: str) -> tuple[Counter, Counter, Counter]:
+    """What a report says the records are, three ways: the header's counts, the verdict
+    rows' summed, the matrix cells' (their hover titles) summed."""
+    head = re.search(r"(\d+) records from \d+ run\(s\):\s*(.*?)\.\s*Legend", page, re.S)
+    header = Counter({s: int(n) for n, s in re.findall(r"(\d+) (\w+)", head.group(2))})
+    verdicts = Counter()
+    section = page[page.index('id="verdicts"'):page.index('id="matrix"')]
+    for row in re.findall(r"<tr><td>.*?</tr>", section, re.S):
+        numbers = re.findall(r'<td class="[^"]*">(\d+)</td>', row)
+        verdicts.update(dict(zip(results.STATUSES, map(int, numbers), strict=True)))
+    matrix = Counter()
+    for title in re.findall(r'<td class="cell \w+" title="([^"]*)"', page):
+        matrix.update({s: int(n) for n, s in re.findall(r"(\d+) (\w+)", title.split(";")[0])})
+    return +header, +verdicts, +matrix
+
+
+def _record(backend, run, status, check="F2.values", dtype="float32", case="x"):
+    return {"backend": backend, "check": check, "claim": check.split(".")[0], "op": "layer_norm",
+            "dtype": dtype, "case": case, "status": status, "run": run}
+
+
+def test_the_header_the_verdicts_and_the_matrix_count_every_record(merged, tmp_path):
+    """A backend that did not load (--record-unavailable) had its load error in the
+    header's count and in no verdict row (looked up as "name (label)", counted as
+    "name") nor in the matrix (found by a review). Merged with runs of two labels, a
+    re-run that supersedes, and a record whose backend no file lists: every record is
+    counted once, in the header, the rows of its backend and the matrix alike."""
+    good, bad, _ = merged
+    run = {"run": "env-good", "id": "x", "created": "2026-12-02T05:00:00+00:00",
+           "host": good["runs"][0]["host"]}
+    gone = {**results.new_document(), "runs": [run],
+            "backends": [{"name": "gone:make", "available": False, "run": "env-good",
+                          "error": "ModuleNotFoundError"}],
+            "records": [_record("gone:make", "env-good", "error", "load", "-"),
+                        _record("numpy", "env-good", "fail", "F2.values", "float32"),
+                        _record("unlisted", "env-good", "pass")]}
+    docs = [good, bad, gone]
+    out = tmp_path / "r.html"
+    html.write_report(docs, out)
+    header, verdicts, matrix = _counts_shown(out.read_text(encoding="utf-8"))
+    kept = results.merge([results.validate(json.loads(results.dumps(d))) for d in docs])
+    assert kept["superseded"]  # (the later numpy F2.values float32 displaced the first)
+    assert header == verdicts == matrix == Counter(r["status"] for r in kept["records"])
+    assert header["error"] >= 1

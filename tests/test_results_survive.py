@@ -1058,3 +1058,51 @@ def test_of_two_runs_in_one_second_the_one_started_later_counts():
     later = _doc("same", "2026-12-02T01:00:00+00:00", 100.75, ["pass"])
     for docs in ([first, later], [later, first]):
         assert [r["status"] for r in results.merge(docs)["records"]] == ["pass"]
+
+
+def test_incompleteness_is_judged_on_the_merged_units(tmp_path, capsys):
+    """A killed run merged with a run that finished every unit it did not, and a stopped
+    bench labelled with the host name (as a run without --label is), marked the
+    verdicts of the whole run "(incomplete run: not every check ran)" (found by a
+    review). A verdict is incomplete where a unit of it is unfinished in the merge."""
+    whole = _doc("same", T1, 1.0, ["pass"] * 2, host="h")
+    killed = _doc("same", T2, 2.0, ["pass"], host="h",
+                  not_reached=[("b", "F2.values", "float32")])
+    rc, out, err, page = _report(tmp_path, capsys, whole=whole, killed=killed)
+    assert rc == 0 and "(incomplete" not in page, err
+    assert "another run in this report finished every one of them" in page
+    bench = {**_doc("same", T2, 2.0, [], host="h"), "backends": [],
+             "benchmarks": [{"backend": "b", "op": "layer_norm", "dtype": "float32",
+                             "shape": [4, 8], "pass": "forward"}]}
+    bench["runs"][0].update(complete=False, stopped_by="SIGINT")
+    rc, out, err, page = _report(tmp_path, capsys, whole=whole, bench=bench)
+    assert rc == 0 and "(incomplete" not in page, err
+    alone = _doc("same", T2, 2.0, ["pass"], host="h",
+                 not_reached=[("b", "F2.values", "float32"), ("b", "F3.values", "float32")])
+    rc, out, err, page = _report(tmp_path, capsys, alone=alone)
+    assert "(incomplete: 2 unit(s) of it not finished" in page  # (and without: still said)
+
+
+def test_a_stream_without_an_end_line_may_be_a_run_in_progress(tmp_path):
+    """`normspec report` on a run still running said it was "killed"."""
+    path = tmp_path / "r.jsonl"
+    _written_stream(path, 2)
+    path.write_bytes(b"\n".join(path.read_bytes().split(b"\n")[:-2]) + b"\n")  # (no end)
+    run = results.read(path)["runs"][0]
+    assert run["stopped_by"] == "not finished: still running, or killed (the stream has no end line)"
+    assert run["complete"] is False
+
+
+def test_each_tolerance_table_is_shown_with_the_runs_that_used_it(tmp_path, capsys):
+    """A merged report showed the first file's tolerance table alone, though another run
+    used another (found by a review)."""
+    old = {**_doc("old", T1, 1.0, ["pass"], host="h"),
+           "tolerances": [{"quantity": "output", "base_ulps": 1.0, "reason": "first table"}]}
+    new = {**_doc("new", T2, 2.0, ["pass"], host="h"),
+           "tolerances": [{"quantity": "output", "base_ulps": 2.0, "reason": "second table"}]}
+    same = {**_doc("again", T2, 3.0, ["pass"], host="h"), "tolerances": new["tolerances"]}
+    rc, out, err, page = _report(tmp_path, capsys, old=old, new=new, same=same)
+    assert rc == 0, err
+    assert "Tolerance tables (2: the runs used different ones)" in page
+    assert f"Used by old ({T1}): quantity" in page and "first table" in page
+    assert f"Used by new ({T2}), again ({T2}): quantity" in page and "second table" in page

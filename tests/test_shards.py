@@ -3,6 +3,8 @@ record, durations aside), each unit in exactly one shard; the shard is in the ru
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from normspec.conformance import results, runner
 
@@ -93,3 +95,66 @@ def test_a_claim_family_selects_every_check_of_its_claims():
             for claim in c.claim.split("/"))]
         assert runner.select_checks([family]) == expected and expected
     assert "F2/F3.half_overflow" in [c.id for c in runner.select_checks(["F"])]
+
+
+def test_a_merge_of_all_the_shards_misses_no_unit(runs):
+    """(the pairs each run records are the units it has records of: nothing is called
+    missing that is not)"""
+    whole, shards = runs
+    assert results.merge([whole])["unfinished"] == []
+    merged = results.merge(shards)
+    assert (merged["unfinished"], merged["missing_shards"]) == ([], {})
+
+
+def test_a_backend_not_installed_on_one_shards_machine_is_missing_its_units(runs, tmp_path,
+                                                                          capsys):
+    """A shard run on a machine without the backend lists it unavailable (no version) and
+    runs none of its units: the merge refused the shards as 'two backends under one name'
+    (a version, and none), and with that fixed said nothing of the units no machine ran
+    (found by a review). The units its label's runs planned that it has no record of are
+    reported missing, in the report's notice and verdict and on the console."""
+    from normspec.conformance import cli
+    from normspec.reports import html
+
+    _, shards = runs
+    second = copy.deepcopy(shards[1])
+    second["runs"][0].update(host="other-machine", id="other")
+    second["backends"] = [dict(b, available=False, version="", error="not installed")
+                          for b in second["backends"]]
+    second["records"] = []
+    docs = [shards[0], second, shards[2]]
+    paths = [str(results.write(d, tmp_path / f"s{k}.json")) for k, d in enumerate(docs, 1)]
+    assert cli.main(["report", *paths, "-o", str(tmp_path / "r.html")]) == 0
+    assert (f"incomplete: backend 'numpy' of run 'ci': {len(shards[1]['runs'][0]['pairs'])} "
+            "unit(s) with no record") in capsys.readouterr().out
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "have no record of it" in page and "F2.values" in page
+    merged = results.merge(docs)
+    assert {(u["check"], u["dtype"], u["why"]) for u in merged["unfinished"]} == {
+        (check, dtype, "no record") for check, dtype in shards[1]["runs"][0]["pairs"]}
+    (verdict,) = html.build_context(merged)["verdicts"]
+    assert f"incomplete: {len(shards[1]['runs'][0]['pairs'])} unit(s)" in verdict["line"]
+
+
+def test_stale_deviations_are_judged_over_all_the_shards_of_one_label_and_only_then(runs):
+    """A sharded run leaves its stale deviation entries to the merge. Over every shard of
+    one label they are found; where a shard is missing (not given, or shards with labels
+    of their own) an entry may explain a record of the shard not here, and it was called
+    stale: it is not judged then, and the missing shards are named."""
+    _, shards = runs
+    entry = {"check": "B3", "reason": "no longer deviates"}
+    docs = copy.deepcopy(shards)
+    for d in docs:
+        d["backends"][0]["deviations"] = [entry]
+    assert results.merge(docs)["backends"][0]["stale_deviations"] == [entry]
+    partial = results.merge(docs[:2])
+    assert partial["backends"][0]["stale_deviations"] == []
+    assert partial["missing_shards"] == {"ci": ["3/3"]}
+    for k, d in enumerate(docs, 1):
+        d["runs"][0]["run"] = f"ci-{k}"
+        for x in d["backends"] + d["records"]:
+            x["run"] = f"ci-{k}"
+    labelled = results.merge(docs)
+    assert labelled["missing_shards"] == {"ci-1": ["2/3", "3/3"], "ci-2": ["1/3", "3/3"],
+                                          "ci-3": ["1/3", "2/3"]}
+    assert all(b["stale_deviations"] == [] for b in labelled["backends"])
