@@ -400,9 +400,12 @@ def validate(doc, source: str = "results") -> dict:
     for i, b in enumerate(doc["backends"]):
         check_form(b, "backend", f"backend {i}", source)
         doc["backends"][i] = {**BACKEND_DEFAULTS, **b}
+    labels = {run["run"] for run in doc["runs"]}
     for i, r in enumerate(doc["records"]):
         if isinstance(r, dict) and r.get("status", STATUSES[0]) not in STATUSES:
             raise ResultsError(f"{source}: record {i} has unknown status {r['status']!r}")
+        if isinstance(r, dict) and not r.get("run") and len(labels) == 1:
+            r = {**r, "run": next(iter(labels))}  # (a file's one run: its records' label)
         doc["records"][i] = decode_record(r) if isinstance(r, dict) else r
         check_form(doc["records"][i], "record", f"record {i}", source)
     for i, t in enumerate(doc["tolerances"]):
@@ -757,6 +760,9 @@ def from_stream(data: bytes | str, source: str = "stream") -> dict:
     form (FORMS) is refused by number."""
     objs, unreadable = _stream_objects(data if isinstance(data, bytes) else
                                        data.encode("utf-8", "surrogateescape"))
+    if 1 in unreadable:
+        raise ResultsError(f"{source}: its header line (line 1) cannot be read: the run its "
+                           "records are of is unknown")
     if not objs or objs[0][0] != 1 or not isinstance(objs[0][1], dict) \
             or objs[0][1].get("stream") != SCHEMA:
         raise ResultsError(f"{source} is not a normspec results stream (no header line)")

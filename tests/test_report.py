@@ -223,3 +223,14 @@ def test_the_header_the_verdicts_and_the_matrix_count_every_record(merged, tmp_p
     assert kept["superseded"]  # (the later numpy F2.values float32 displaced the first)
     assert header == verdicts == matrix == Counter(r["status"] for r in kept["records"])
     assert header["error"] >= 1
+
+
+def test_a_record_without_a_run_label_counts_in_its_files_run():
+    """Records written without their run's label (a record's `run` is optional in the
+    format) are the file's one run's: its backend's row counts them, in one column."""
+    doc = {**results.new_document(), "runs": [{"run": "r"}],
+           "backends": [{"name": "b", "available": True, "run": "r"}],
+           "records": [{k: v for k, v in _record("b", "r", "fail").items() if k != "run"}]}
+    context = html.build_context(results.merge([results.validate(doc)]))
+    assert context["columns"] == ["b"]
+    assert [(v["column"], v["counts"]) for v in context["verdicts"]] == [("b", {"fail": 1})]

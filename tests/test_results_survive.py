@@ -560,6 +560,9 @@ BAD_FIELDS = {
     "unknown-line.jsonl": (_stream({"what": 1}), "line 2"),
 }
 BAD_REPORT.update({name: text for name, (text, _) in BAD_FIELDS.items()})
+# a damaged line costs that line alone, but the header's: whose records the rest are
+BAD_REPORT["header-damaged.jsonl"] = "\0" * 40 + "\n" + _stream().split("\n", 1)[1] + \
+    '{"done": ["b", "F2.values", "float32"]}\n'
 
 
 @pytest.mark.parametrize("name", sorted(BAD_FIELDS))
