@@ -250,7 +250,7 @@ def _verdicts(doc: dict, column, unfinished: list[dict]) -> list[dict]:
             line += " (its files do not list this backend: only its records are known)"
         if open_units[(b["name"], b["run"])]:
             line += (f" (incomplete: {open_units[(b['name'], b['run'])]} unit(s) of it not "
-                     "finished or with no record; see above)")
+                     "finished or with no record, listed above)")
         if b["run"] in partial:
             line += f" (shard(s) {', '.join(partial[b['run']])} of its run are not in this report)"
         if damaged[b["run"]]:
