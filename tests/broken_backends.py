@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import types
+from functools import partial
 
 import normspec.spec as spec
 import numpy as np
@@ -1101,6 +1102,15 @@ class SwitchesStrategyFrom512(SwitchesStrategyWithBatch):
     SMALL = 511
 
 
+class SwitchesStrategyFrom2048(SwitchesStrategyWithBatch):
+    """SwitchesStrategyWithBatch with its threshold where a launch heuristic takes a
+    split-row reduction for large batches (2048 rows on: bug class 22, vLLM #48271, whose
+    kernel was chosen by the token count): the sample alone and in batches of up to 1024
+    rows agrees, rows of a batch of 4099 do not."""
+
+    SMALL = 2047
+
+
 class _FoldsForLargeBatchesLayer(NumpyBatchNorm):
     def forward(self, x, grad_output=None):
         if self.uses_batch_stats() or x.shape[0] <= self.backend.SMALL \
@@ -1184,6 +1194,18 @@ class AtomicParamGradSums(NumpyBackend):
 
     def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
         return self._shuffled("rms_norm", x, normalized_shape, grad_output, weight, eps)
+
+
+class AtomicParamGradSumsFrom1024(AtomicParamGradSums):
+    """AtomicParamGradSums from 1024 rows on only, a deterministic reduction below (a
+    backward that takes atomic adds for large batches: bug class 17, Liger PR #945, llm.c
+    PR #445): the gradients of 257 rows are the same bits at every call, those of 4099
+    rows are not."""
+
+    def _shuffled(self, op, x, normalized_shape, grad_output, *rest):
+        if x.size // max(int(np.prod(normalized_shape)), 1) < 1024:
+            return getattr(NumpyBackend, op)(self, x, normalized_shape, *rest, grad_output)
+        return super()._shuffled(op, x, normalized_shape, grad_output, *rest)
 
 
 class ReusesOutputBuffer(RandomOrderSums):
@@ -1622,6 +1644,30 @@ class FusedAtomicParamGradSums(NumpyBackend):
                        grad_outputs=None):
         return NumpyBackend.fused_add_norm(self._atomic, x, residual, norm, normalized_shape,
                                            weight, bias, eps, grad_outputs)
+
+
+class FusedRmsSwitchesStrategy(FusedSwitchesStrategy):
+    """FusedSwitchesStrategy in the fused add + RMSNorm kernel alone, where vLLM #48271's
+    was (a sequential loop per row below 256 tokens, a tree from 256 on); its fused add +
+    LayerNorm is numpy's, batch-invariant."""
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        fused = super().fused_add_norm if norm == "rms_norm" else \
+            partial(NumpyBackend.fused_add_norm, self)
+        return fused(x, residual, norm, normalized_shape, weight, bias, eps, grad_outputs)
+
+
+class FusedRmsAtomicParamGradSums(FusedAtomicParamGradSums):
+    """FusedAtomicParamGradSums in the fused add + RMSNorm backward alone (a fused RMSNorm
+    kernel of its own, reducing dL/dgamma with atomic adds: Liger PR #945); the fused add +
+    LayerNorm backward is deterministic."""
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        fused = super().fused_add_norm if norm == "rms_norm" else \
+            partial(NumpyBackend.fused_add_norm, self)
+        return fused(x, residual, norm, normalized_shape, weight, bias, eps, grad_outputs)
 
 
 class FusedTruncatesResidual(NumpyBackend):

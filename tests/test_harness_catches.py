@@ -201,6 +201,18 @@ DEFECTS = {
         bb.FusedTruncatesResidual, "F8.rounding_bias", "bfloat16"),
     "fused add + norm dL/dgamma reduced with atomic adds": (
         bb.FusedAtomicParamGradSums, "B9.deterministic", "float32"),
+    # a red team's blind spots (the suite never built their trigger): each slipped through
+    # every check before
+    "LayerNorm taking a split-row reduction from 2048 rows on": (
+        bb.SwitchesStrategyFrom2048, "B9.layer_norm", "float32"),
+    "RMSNorm taking a split-row reduction from 2048 rows on": (
+        bb.SwitchesStrategyFrom2048, "B9.rms_norm", "float32"),
+    "dL/dgamma, dL/dbeta reduced with atomic adds from 1024 rows on": (
+        bb.AtomicParamGradSumsFrom1024, "B9.deterministic", "float64"),
+    "fused add + RMSNorm switching its reduction at 256 tokens (vLLM #48271)": (
+        bb.FusedRmsSwitchesStrategy, "B9.fused_add_norm", "float32"),
+    "fused add + RMSNorm dL/dgamma reduced with atomic adds": (
+        bb.FusedRmsAtomicParamGradSums, "B9.deterministic", "float32"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}

@@ -1,10 +1,11 @@
 """Batch invariance (B9), read as a property: LayerNorm, RMSNorm, QK-norm scores,
-eval-mode BatchNorm and the fused residual add + LayerNorm (what an inference engine
-runs) use no batch statistics, so a sample's output must be bit for bit the same alone
-and in any batch, at any position in it; training-mode BatchNorm must not be (it is the
-reason for the rule). And the same call twice gives the same bits, the gradients
-included (dL/dgamma and dL/dbeta, sums over every row, are where a backward that reduces
-with atomic adds differs from call to call; the fused op's too).
+eval-mode BatchNorm and the fused residual add + norm (LayerNorm and RMSNorm: what an
+inference engine runs) use no batch statistics, so a sample's output must be bit for bit
+the same alone and in any batch, at any position in it; training-mode BatchNorm must not
+be (it is the reason for the rule). And the same call twice gives the same bits, the
+gradients included (dL/dgamma and dL/dbeta, sums over every row, are where a backward
+that reduces with atomic adds differs from call to call; the fused op's too, with
+either norm).
 
 Bitwise, not within a tolerance: inference stacks need it bit for bit. A kernel that
 switches its reduction strategy with the number of rows (a split reduction for small
@@ -12,6 +13,19 @@ batches) rounds the same row differently, which is how "temperature 0" inference
 becomes nondeterministic. The batch sizes cross typical kernel thresholds (1, 2, 3, 8,
 17, 64, 257, 1024 rows, and a row longer than 65536 in a few rows, where a kernel would split
 it); one row length for every size, so a compiling backend compiles once per size.
+LayerNorm and RMSNorm also take a batch of 4099 rows (LARGE), past the 2048 and 4096 rows
+from which launch heuristics take a split-row reduction: every row of it against the same
+rows in batches of 1024 at most, as one sample's bits can come out alike both ways by
+chance (a red team's split of the sum into partial sums left the probe's float32 bits
+alone, at d = 100 and in both norms). The gradients' run to run case takes it too, past
+the 1024 rows from which a backward reduces dL/dgamma with atomic adds. Those rows are
+LARGE_D long, not D: cost grows with the elements, and neither path depends on the row's
+length. Each is a case of its own: a backend whose capabilities declare fewer `max_rows`
+(the Triton interpreter) records it unsupported, with its reason, and runs the rest. The
+fused op is run with both norms: vLLM #48271's switch (a sequential sum below 256 tokens,
+a tree from 256 on) was in its fused add + RMSNorm kernel; and every row of 257 against
+the same rows in batches of 17 (the sample alone caught a red team's copy of that switch
+at 5 seeds of 8).
 
 A backend that declares `batch_invariant = False` (or `deterministic = False`) gets the
 records its declaration explains as deviations, with its reason; one that declares
@@ -31,9 +45,14 @@ from ..ops import BatchNormDriver
 from ..ops._common import outputs_like
 from ..tolerances import bound
 from . import check
+from .shapes import _rows_allowed
 
 SIZES = (1, 2, 3, 8, 17, 64, 257, 1024)
+#: a batch past the 2048- and 4096-row thresholds (split-row reductions, atomic dL/dgamma
+#: from 1024 rows), odd: its last row sits in a partial block of any power-of-two rows
+LARGE = 4099
 D = 100  # not a multiple of 8, 16 or 32: every size has a tail
+LARGE_D = 20  # the rows of LARGE batches: short, so they stay cheap; not a multiple of 8
 LONG_D = 70_003  # > 65536, odd: the length where a kernel splits a row across programs
 LONG_SIZES = (1, 2, 3, 8)
 #: heads, tokens, head_dim of one QK sample: 7 rows to normalize, so 64 samples are 448
@@ -45,8 +64,14 @@ REPEAT = {"layer_norm": 17, "rms_norm": 17, "qk_norm_scores": 17, "batch_norm": 
 REPEAT_LONG = 2
 #: run to run, forward and backward: dL/dgamma and dL/dbeta sum over every row, which a
 #: kernel reducing with atomic adds (Liger PR #945, llm.c PR #445) adds in whatever order
-#: its threads finish; 257 rows: past the 256-row threshold of fast paths
-REPEAT_GRAD = 257
+#: its threads finish; 257 rows: past the 256-row threshold of fast paths; LARGE: past
+#: the 1024 rows from which a backward takes atomics
+REPEAT_GRAD = (257, LARGE)
+#: the norms of the fused residual add + norm, each its own kernel
+FUSED_NORMS = ("layer_norm", "rms_norm")
+#: the fused op's every-row case: 257 rows (past vLLM #48271's 256 tokens) against the
+#: same rows in batches of 17 (below it), at D, shapes the sample's case has run already
+FUSED_EVERY_ROW = (257, 17)
 #: the Result fields a forward and backward returns, in the order they are compared
 GRAD_FIELDS = ("output", "grad_input", "grad_weight", "grad_bias")
 #: the same of a fused residual add + norm
@@ -71,12 +96,18 @@ def _recipe(ctx, shape, n, at, k=0):
     return RowsAt(ArraySpec((n,) + tuple(shape), ctx.seed + 1000 * k + n, 3.0, 5.0), probe, at)
 
 
+def differing_bits(a, b) -> np.ndarray:
+    """Where the bits of a and b differ (+0 against -0 included)."""
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    as_bits = f"u{a.dtype.itemsize}"
+    return a.view(as_bits) != b.view(as_bits)
+
+
 def bit_diff(a, b, dtype) -> tuple[int, float, int]:
     """Elements of a and b whose bits differ, the most representable steps between any
     two (0 for +0 against -0), and the flat index of the first that does."""
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    as_bits = f"u{a.dtype.itemsize}"
-    differ = (a.view(as_bits) != b.view(as_bits)).reshape(-1)
+    differ = differing_bits(a, b).reshape(-1)
     count = int(differ.sum())
     if not count:
         return 0, 0.0, -1
@@ -111,10 +142,10 @@ def _explained_by(ctx, convention: str) -> str | None:
 
 
 # ---------------------------------------------------------------- the ops, called by name
-def _op_runner(ctx, op, d):
+def _op_runner(ctx, op, d, norm=None):
     """`run(name, n, at)`: the op on its inputs for a batch of n (the sample alone when
     n is 1), registered as `name` (q_name and k_name for QK); the repro names the output
-    name_out. Returns the output."""
+    name_out. Returns the output. `norm`: the fused op's norm."""
     if op == "batch_norm":
         c, length = BN_SHAPE
         driver = BatchNormDriver(ctx, c, momentum=1.0, compare_stats=False,
@@ -143,39 +174,56 @@ def _op_runner(ctx, op, d):
             return ctx.call(code, ctx.backend.qk_norm_scores, q, k, None, None, EPS[op], scale,
                             outputs_like={"output": (shape, q.dtype)})
         return run
-    w = ctx.use(weight=ArraySpec((d,), ctx.seed + 1, 1.0, 0.5))
-    b = ctx.use(bias=ArraySpec((d,), ctx.seed + 2, 0.0, 0.5)) if op != "rms_norm" else None
-    params = "weight, bias" if op != "rms_norm" else "weight"
-    if op == "fused_add_norm":
-        eps = EPS["layer_norm"]
-
-        def run(name, n, at):
-            # both outputs (the normalized sum and the residual written back), stacked
-            x, r = ctx.use(**{f"x_{name}": _recipe(ctx, (d,), n, at, 0),
-                              f"residual_{name}": _recipe(ctx, (d,), n, at, 1)})
-            code = (f"{name}_out = np.stack(backend.fused_add_norm(x_{name}, residual_{name}, "
-                    f"'layer_norm', ({d},), weight, bias, {eps!r})[:2], axis=1)")
-            res = ctx.call(code, ctx.backend.fused_add_norm, x, r, "layer_norm", (d,), w, b,
-                           eps, outputs_like={"output": (x.shape, x.dtype),
-                                              "residual": (x.shape, x.dtype)})
-            return np.stack([res.output, res.residual], axis=1)
-        return run
+    names, call = _row_caller(ctx, op, d, norm)
 
     def run(name, n, at):
-        x = ctx.use(**{name: _recipe(ctx, (d,), n, at)})
-        code = f"{name}_out = backend.{op}({name}, ({d},), {params}, {EPS[op]!r}).output"
-        args = (x, (d,), w, b, EPS[op]) if op == "layer_norm" else (x, (d,), w, EPS[op])
-        return ctx.call(code, getattr(ctx.backend, op), *args,
-                        outputs_like={"output": (x.shape, x.dtype)}).output
+        # the input is named for the batch (x_name and residual_name for the fused op)
+        keys = [name] if len(names) == 1 else [f"{k}_{name}" for k in names]
+        built = ctx.use(**{k: _recipe(ctx, (d,), n, at, i) for i, k in enumerate(keys)})
+        return call(name, [built] if len(keys) == 1 else built, keys)
     return run
 
 
-def _invariance(ctx, op, sizes, d=D):
-    label = (f"one sample alone and at rows first, middle, last of batches of "
-             f"{', '.join(map(str, sizes[1:]))}" + (f", d = {d}" if d else ""))
+def _row_caller(ctx, op, d, norm=None):
+    """(names, call) of LayerNorm, RMSNorm or the fused add + `norm`: the names of the
+    inputs it takes a row of (x; x and residual), and `call(name, arrays, codes)`, the op
+    on those inputs (which the repro writes as codes) with the case's gamma and beta
+    (beta None for RMSNorm, registered too, so the fused op's repro defines the `bias` it
+    passes). The repro names the output name_out; the fused op's two outputs (the
+    normalized sum and the residual written back) come stacked on axis 1."""
+    w = ctx.use(weight=ArraySpec((d,), ctx.seed + 1, 1.0, 0.5))
+    b = ctx.use(bias=ArraySpec((d,), ctx.seed + 2, 0.0, 0.5) if (norm or op) != "rms_norm"
+                else None)
+    if op == "fused_add_norm":
+        eps = EPS[norm]
+
+        def fused(name, arrays, codes):
+            x, r = arrays
+            code = (f"{name}_out = np.stack(backend.fused_add_norm({codes[0]}, {codes[1]}, "
+                    f"{norm!r}, ({d},), weight, bias, {eps!r})[:2], axis=1)")
+            res = ctx.call(code, ctx.backend.fused_add_norm, x, r, norm, (d,), w, b,
+                           eps, outputs_like={"output": (x.shape, x.dtype),
+                                              "residual": (x.shape, x.dtype)})
+            return np.stack([res.output, res.residual], axis=1)
+        return ("x", "residual"), fused
+    params = "weight, bias" if op != "rms_norm" else "weight"
+
+    def call(name, arrays, codes):
+        x = arrays[0]
+        code = f"{name}_out = backend.{op}({codes[0]}, ({d},), {params}, {EPS[op]!r}).output"
+        args = (x, (d,), w, b, EPS[op]) if op == "layer_norm" else (x, (d,), w, EPS[op])
+        return ctx.call(code, getattr(ctx.backend, op), *args,
+                        outputs_like={"output": (x.shape, x.dtype)}).output
+    return ("x",), call
+
+
+def _invariance(ctx, op, sizes, d=D, norm=None):
+    label = ((f"{norm}: " if norm else "") + "one sample alone and at rows first, middle, "
+             f"last of batches of {', '.join(map(str, sizes[1:]))}"
+             + (f", d = {d}" if d else ""))
     with ctx.case(label, op=op):
         ctx.require(op)
-        run = _op_runner(ctx, op, d)
+        run = _op_runner(ctx, op, d, norm)
         alone = run("alone", 1, (0,))[0]
         found = []  # (n, row, elements differing, steps, flat index, output row)
         for n in sizes[1:]:
@@ -213,26 +261,74 @@ def _invariance(ctx, op, sizes, d=D):
             explained_by=_explained_by(ctx, "batch_invariant"), measured=True)
 
 
+def _every_row(ctx, op, n, chunk, d, norm=None):
+    """Every row of a batch of n against the same rows in batches of at most `chunk`
+    rows, on either side of the thresholds between them: a row the batch of n rounds
+    otherwise shows wherever it sits, where the one sample of _invariance can round alike
+    both ways by chance. `norm`: the fused op's norm."""
+    label = ((f"{norm}: " if norm else "") + f"every row of a batch of {n} against the "
+             f"same rows in batches of at most {chunk}, d = {d}")
+    with ctx.case(label, op=op):
+        ctx.require(op)
+        _rows_allowed(ctx, n)
+        names, call = _row_caller(ctx, op, d, norm)
+        built = ctx.use(**{k: ArraySpec((n, d), ctx.seed + 1000 * i + n, 3.0, 5.0)
+                           for i, k in enumerate(names)})
+        arrays = [built] if len(names) == 1 else built
+        whole = call("whole", arrays, names)
+        starts = range(0, n, chunk)
+        parts = np.concatenate([call(f"part_{i // chunk}", [a[i:i + chunk].copy() for a in arrays],
+                                     [f"{k}[{i}:{i + chunk}].copy()" for k in names])
+                                for i in starts])
+        count, steps, index = bit_diff(parts, whole, ctx.dtype)
+        _measure(ctx, f"{op}.output", f"the batch of {n} against batches of at most {chunk}",
+                 parts, whole, index, steps)
+        if not count:
+            ctx.say(f"batch-invariant: every row of a batch of {n} bit-identical to the same "
+                    f"row in batches of at most {chunk}"
+                    + _declared_false_note(ctx, "batch_invariant"))
+            return
+        row = index // (whole.size // n)
+        rows = int(np.any(differing_bits(parts, whole).reshape(n, -1), axis=1).sum())
+        ctx.oracle(f"show(whole_out[{row}], part_{row // chunk}_out[{row % chunk}]"
+                   f".astype(np.float64), name='row {row} of the batch of {n}, against in a "
+                   f"batch of at most {chunk}')",
+                   f"print('bit-identical:', np.array_equal(whole_out, np.concatenate(["
+                   f"{', '.join(f'part_{i // chunk}_out' for i in starts)}])))")
+        ctx.holds(
+            condition=False,
+            got=(f"not batch-invariant: {rows} of the {n} rows of a batch differ from the "
+                 f"same rows in batches of at most {chunk}, in {count} of {whole.size} "
+                 f"elements, by up to {steps:g} ULPs (representable steps); the first: row "
+                 f"{row}"),
+            spec_says=STATEMENT, call=f"backend.{op} on {n} rows and on batches of {chunk}",
+            explained_by=_explained_by(ctx, "batch_invariant"), measured=True)
+
+
 @check("B9.layer_norm", title="LayerNorm: a sample's output is bit for bit the same alone and "
-       "in batches of 2 to 1024 rows, at any position, and for a 70003-long row",
+       "in batches of 2 to 4099 rows, at any position, and for a 70003-long row",
        ops=("layer_norm",))
 def layer_norm_invariance(ctx):
     _invariance(ctx, "layer_norm", SIZES)
     _invariance(ctx, "layer_norm", LONG_SIZES, LONG_D)
+    _every_row(ctx, "layer_norm", LARGE, SIZES[-1], LARGE_D)
 
 
 @check("B9.rms_norm", title="RMSNorm: a sample's output is bit for bit the same alone and in "
-       "batches of 2 to 1024 rows, at any position, and for a 70003-long row", ops=("rms_norm",))
+       "batches of 2 to 4099 rows, at any position, and for a 70003-long row", ops=("rms_norm",))
 def rms_norm_invariance(ctx):
     _invariance(ctx, "rms_norm", SIZES)
     _invariance(ctx, "rms_norm", LONG_SIZES, LONG_D)
+    _every_row(ctx, "rms_norm", LARGE, SIZES[-1], LARGE_D)
 
 
-@check("B9.fused_add_norm", title="Fused residual add + LayerNorm: a sample's output and "
-       "residual are bit for bit the same alone and in batches of 2 to 1024 rows, at any "
-       "position", ops=("fused_add_norm",))
+@check("B9.fused_add_norm", title="Fused residual add + LayerNorm and + RMSNorm: a sample's "
+       "output and residual are bit for bit the same alone and in batches of 2 to 1024 rows, "
+       "at any position", ops=("fused_add_norm",))
 def fused_invariance(ctx):
-    _invariance(ctx, "fused_add_norm", SIZES)
+    for norm in FUSED_NORMS:
+        _invariance(ctx, "fused_add_norm", SIZES, norm=norm)
+        _every_row(ctx, "fused_add_norm", *FUSED_EVERY_ROW, D, norm)
 
 
 @check("B9.qk_norm_scores", title="QK-norm scores: a sample's scores are bit for bit the same "
@@ -328,24 +424,26 @@ def _repeating(ctx, op, d):
     return run
 
 
-def _backward_caller(ctx, op, n, d):
+def _backward_caller(ctx, op, n, d, norm=None):
     """(call(name) -> the Result of op's forward and backward on fixed inputs, its fields
-    to compare); the repro names the result `name`."""
+    to compare); the repro names the result `name`. `norm`: the fused op's norm."""
     x, w, g = ctx.use(x=ArraySpec((n, d), ctx.seed, 0.5, 1.0),
                       weight=ArraySpec((d,), ctx.seed + 1, 1.0, 0.5),
                       grad=ArraySpec((n, d), ctx.seed + 2))
-    b = ctx.use(bias=ArraySpec((d,), ctx.seed + 3, 0.0, 0.5)) if op != "rms_norm" else None
+    # (None registered too, so the fused op's repro defines the `bias` it passes)
+    b = ctx.use(bias=ArraySpec((d,), ctx.seed + 3, 0.0, 0.5) if (norm or op) != "rms_norm"
+                else None)
     expect = outputs_like(x, grads=True, param_shape=(d,), weight=True, bias=b is not None)
     if op == "fused_add_norm":
         r, gr = ctx.use(residual=ArraySpec((n, d), ctx.seed + 4, 3.0, 2.0),
                         grad_residual=ArraySpec((n, d), ctx.seed + 5))
-        eps = EPS["layer_norm"]
+        eps = EPS[norm]
         expect.update(residual=(x.shape, x.dtype), grad_residual=(x.shape, x.dtype))
 
         def call(name):
-            code = (f"{name} = backend.fused_add_norm(x, residual, 'layer_norm', ({d},), "
+            code = (f"{name} = backend.fused_add_norm(x, residual, {norm!r}, ({d},), "
                     f"weight, bias, {eps!r}, grad_outputs=(grad, grad_residual))")
-            return ctx.call(code, ctx.backend.fused_add_norm, x, r, "layer_norm", (d,), w, b,
+            return ctx.call(code, ctx.backend.fused_add_norm, x, r, norm, (d,), w, b,
                             eps, (g, gr), outputs_like=expect)
         return call, FUSED_GRAD_FIELDS
     params, args = (("weight, bias", (w, b)) if op == "layer_norm" else ("weight", (w,)))
@@ -357,14 +455,17 @@ def _backward_caller(ctx, op, n, d):
     return call, GRAD_FIELDS
 
 
-def _gradients_twice(ctx, op):
-    """The same forward and backward twice: every field of the Result bit for bit, the
-    parameter gradients (sums over all the rows) above all."""
-    n, d = REPEAT_GRAD, D
-    with ctx.case(f"{op}: the same forward and backward twice, a batch of {n}, d = {d}",
+def _gradients_twice(ctx, op, n, norm=None):
+    """The same forward and backward twice on n rows: every field of the Result bit for
+    bit, the parameter gradients (sums over all the rows) above all. `norm`: the fused
+    op's norm."""
+    d = LARGE_D if n == LARGE else D
+    what = f"{op} with {norm}" if norm else op
+    with ctx.case(f"{what}: the same forward and backward twice, a batch of {n}, d = {d}",
                   op=op):
         ctx.require(op, gradient=True)
-        call, fields = _backward_caller(ctx, op, n, d)
+        _rows_allowed(ctx, n)
+        call, fields = _backward_caller(ctx, op, n, d, norm)
         results = [call(name) for name in ("first", "second")]
         differing = []
         for field in fields:
@@ -396,7 +497,8 @@ def _gradients_twice(ctx, op):
 
 @check("B9.deterministic", title="The same call twice gives the same bits (LayerNorm and "
        "RMSNorm on 17 rows and on a 70003-long row, their gradients and the fused residual "
-       "add + LayerNorm's on 257 rows, QK scores, BatchNorm train and eval)",
+       "add + LayerNorm's and + RMSNorm's on 257 and 4099 rows, QK scores, BatchNorm train "
+       "and eval)",
        ops=("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm", "fused_add_norm"))
 def deterministic(ctx):
     caps = ctx.backend.capabilities
@@ -409,6 +511,9 @@ def deterministic(ctx):
         if op in ("layer_norm", "rms_norm"):
             _twice(ctx, op, f"{op}: the same call twice, a batch of {REPEAT_LONG}, d = {LONG_D}",
                    LONG_D, REPEAT_LONG, positions(REPEAT_LONG))
-            _gradients_twice(ctx, op)
+            for n in REPEAT_GRAD:
+                _gradients_twice(ctx, op, n)
     if "fused_add_norm" in caps.ops:
-        _gradients_twice(ctx, "fused_add_norm")
+        for norm in FUSED_NORMS:
+            for n in REPEAT_GRAD:
+                _gradients_twice(ctx, "fused_add_norm", n, norm)
