@@ -1340,6 +1340,22 @@ class TruncatesHalf(NumpyBackend):
         return self._encode(res, x.dtype)
 
 
+class TruncatesHalfGradients(TruncatesHalf):
+    """A forward rounded to nearest; a backward that stores dL/dx, dL/dgamma and dL/dbeta
+    in float16/bfloat16 by truncation, as a bfloat16 store `bits >> 16` does (ROCm/aiter
+    #5151 in a fused RMSNorm's output, tenstorrent/tt-metal PR #27171 in a training
+    stack's conversion): within 1 ULP of every element, every gradient biased toward
+    zero. LayerNorm and RMSNorm (the fused add + norm through them); its QK-norm and
+    BatchNorm are numpy's."""
+
+    qk_norm_scores = NumpyBackend.qk_norm_scores
+    batch_norm = NumpyBackend.batch_norm
+
+    def _encode(self, res, dtype):
+        return Result(res.output.astype(dtype),
+                      *(None if a is None else truncate_to(a, dtype) for a in res[1:]))
+
+
 class SwapsLnWiring(OracleBackend):
     """Wires Pre-LN when asked for Post-LN and Post-LN when asked for Pre-LN (F8)."""
 

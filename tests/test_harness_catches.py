@@ -213,6 +213,10 @@ DEFECTS = {
         bb.FusedRmsSwitchesStrategy, "B9.fused_add_norm", "float32"),
     "fused add + RMSNorm dL/dgamma reduced with atomic adds": (
         bb.FusedRmsAtomicParamGradSums, "B9.deterministic", "float32"),
+    "LayerNorm gradients stored in float16 by truncation": (
+        bb.TruncatesHalfGradients, "F2.rounding_bias", "float16"),
+    "RMSNorm gradients stored in bfloat16 by truncation": (
+        bb.TruncatesHalfGradients, "F3.rounding_bias", "bfloat16"),
 }
 
 CHECKS = {c.id: c for c in all_checks()}
@@ -336,6 +340,17 @@ def test_a_layer_that_writes_into_gamma_is_named_for_it():
     failed = [r for r in run(bb.ZeroesParams(), "F1.values", "float32") if r.status == "fail"]
     assert failed and all(r.message.startswith("got weight modified in place")
                           for r in failed), failed[0].message
+
+
+@pytest.mark.parametrize(("check_id", "dtype"), [("F2.rounding_bias", "float16"),
+                                                 ("F3.rounding_bias", "bfloat16")])
+def test_truncated_gradients_fail_the_gradients_case_alone(check_id, dtype):
+    """A forward rounded to nearest, a backward that truncates (a red team's passed every
+    check): the dL/dx case fails, naming dL/dx, and the outputs' case passes."""
+    records = run(bb.TruncatesHalfGradients(), check_id, dtype)
+    assert [(r.case.split(":")[0], r.status) for r in records] == [
+        (records[0].case, "pass"), ("dL/dx", "fail")]
+    assert records[1].message.startswith("got dL/dx: mean signed error -0."), records[1].message
 
 
 def test_bias_of_an_untracked_layer_is_asked_only_of_a_backend_that_has_one():

@@ -27,7 +27,8 @@ def statuses(backend, check_id, dtype, seed, examples=10):
 @pytest.mark.parametrize(("check_id", "dtype", "seed"), [
     ("F1.rounding_bias", "float32", s) for s in range(4)] + [
     ("F1.rounding_bias", "float64", 0), ("F6.values", "float32", 3),
-    ("F6.values", "float64", 2), ("F3.values", "float32", 0), ("F5.values", "float32", 0)])
+    ("F6.values", "float64", 2), ("F3.values", "float32", 0), ("F5.values", "float32", 0),
+    ("F2.rounding_bias", "float16", 0), ("F3.rounding_bias", "bfloat16", 1)])
 def test_a_one_ulp_rsqrt_passes(backend, check_id, dtype, seed):
     assert statuses(backend(), check_id, dtype, seed) == set()
 

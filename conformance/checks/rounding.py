@@ -6,6 +6,22 @@ toward zero; its mean signed error is ~ -1/2 ULP. Every op that writes a normali
 activation is judged: a kernel's encoder is its own (a review found truncating QK-score,
 BatchNorm and fused encoders that every other check passed).
 
+LayerNorm's and RMSNorm's dL/dx too (F2, F3): a backward kernel stores its gradients
+with an encoder of its own (a red team's float16/bfloat16 backward that truncated them
+passed every check; truncating float32 -> bfloat16 stores were reported in ROCm/aiter
+#5151 and tenstorrent/tt-metal PR #27171), and a bias in dL/dx moves every update the
+same way. It is judged at the compute allowance of the 'gradient' row, whose growth term
+bounds dL/dx's compute error as the output row's does the output's, over many rows
+(GRAD_SHAPE): the elements of a row share its statistics' error (torch's CPU LayerNorm
+keeps mean and 1/std in the half dtype for its backward, which moves a row's dL/dx by up
+to half an ULP one way), so on few rows that error, not the rounding, decides the verdict
+(torch float16 on 4 rows of 2048: -0.28 against a bound of 0.18, its rows at -0.40,
+-0.23, +0.01, -0.50). dL/dgamma and dL/dbeta are not judged: they have one element a
+column, and Hoeffding's bound needs thousands to tell a truncation's -1/2 from chance,
+over many rows too for the same reason: a case that size takes the Triton interpreter
+seconds a dtype. Nor are BatchNorm's and the fused op's gradients: their drivers
+(ops/batch_norm.py, ops/fused.py) do not hand back the gradients as they were compared.
+
 Judged where the compute precision is much finer than the output's (float16 and bfloat16
 computed in float32): there the compute error is negligible against an output ULP and a
 systematic bias is a rounding bug. The bound is derived in tolerances.py from the number
@@ -23,7 +39,7 @@ from normspec.impls.protocol import compute_dtype
 from ..cases import ArraySpec
 from ..context import Unsupported
 from ..ops import BatchNormDriver
-from ..ops._common import Judged, f64
+from ..ops._common import Judged, f64, outputs_like
 from ..ops.fused import fused_add_norm_case
 from ..ops.qk import qk_scores_case
 from ..tolerances import (
@@ -33,6 +49,7 @@ from ..tolerances import (
     bound,
     centred_output_scale,
     centring_kappa,
+    grad_input_scale,
     rms_output_scale,
     rounding_bias_bound,
 )
@@ -47,6 +64,11 @@ EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
 BN_SHAPE = (10, 480)
 #: QK-norm: 4 heads of 32 queries and 32 keys of 64: 4096 scores
 QK_SHAPE = (4, 32, 64)
+#: LayerNorm's and RMSNorm's dL/dx: 480 rows of 10 (4800 elements, about 3600 judged).
+#: Many rows, as BN_SHAPE has many channels: torch's LayerNorm, whose backward uses the
+#: mean and 1/std it held in bfloat16, reached 0.95 of the bound over 30 seeds on 48 rows
+#: of 100, 0.44 on 480 rows of 10
+GRAD_SHAPE = (480, 10)
 
 
 def signed_steps(got, expected, dtype) -> np.ndarray:
@@ -75,11 +97,13 @@ def judged_steps(got, expected, scale, dtype) -> np.ndarray:
 
 
 def _judge(ctx, judged: Judged, *, code, row="output", got_name="result.output",
-           scale_code=None):
-    """The mean signed error of judged.got against the oracle, judged where the compute
-    precision is finer than the output's; `row`: the tolerance row of the values,
-    `got_name` their name in the repro, `scale_code` how the repro computes their scale
-    from its inputs (else the scale's values are written into it)."""
+           scale_code=None, what="outputs") -> str:
+    """The mean signed error of judged.got against the oracle (`expected` in the repro),
+    judged where the compute precision is finer than the output's; returns what the
+    record says if it passes. `row`: the tolerance row of the values, `got_name` their
+    name in the repro, `scale_code` how the repro computes their scale from its inputs
+    (else the scale's values are written into it), `what` the values, as the record
+    names them."""
     got, expected, scale, n, kappa = judged
     ref, keep = _kept(got, expected, scale, ctx.dtype)
     raw = signed_steps(got, expected, ctx.dtype)[keep]
@@ -91,24 +115,25 @@ def _judge(ctx, judged: Judged, *, code, row="output", got_name="result.output",
                                        np.broadcast_to(scale, ref.shape), ref, row)[keep]
     limit = rounding_bias_bound(count, float(allowance.mean()) if count else 0.0)
     toward, away = float(np.mean(steps < 0)), float(np.mean(steps > 0))
-    measured = (f"mean signed error {mean:+.3f} ULPs (away from zero, in steps at the element, "
+    named = "" if what == "outputs" else f"{what}: "
+    measured = (f"{named}mean signed error {mean:+.3f} ULPs (away from zero, in steps at the element, "
                 f"each clipped to +-1; {raw_mean:+.3f} unclipped) over {count} elements of at "
-                f"least {BIAS_MIN_MAGNITUDE:g} of their row's scale; {toward:.1%} below the "
+                f"least {BIAS_MIN_MAGNITUDE:g} of their group's scale; {toward:.1%} below the "
                 f"oracle's rounding toward zero, {away:.1%} away")
     scale_line = scale_code or (f"scale = np.array({np.asarray(scale, np.float64).tolist()!r})")
     ctx.oracle("from normspec.conformance.checks.rounding import judged_steps", scale_line,
                f"steps = judged_steps({got_name}, expected, scale, {got_name}.dtype)",
-               "print('mean signed error (ULPs, away from zero, as judged):', steps.mean())")
+               f"print('{named}mean signed error (ULPs, away from zero, as judged):', "
+               "steps.mean())")
     if compute_dtype(ctx.dtype) == ctx.dtype:
-        ctx.say(f"{measured}: reported, not judged ({ctx.dtype.name} is computed in "
+        return (f"{measured}: reported, not judged ({ctx.dtype.name} is computed in "
                 f"{ctx.dtype.name}, so this is the algorithm's error, not a rounding bug)")
-        return
     ctx.holds(condition=abs(mean) <= limit, got=measured,
-              spec_says=(f"outputs rounded to nearest, whose mean signed error stays within "
+              spec_says=(f"{what} rounded to nearest, whose mean signed error stays within "
                          f"+-{limit:.3f} ULPs over {count} elements (false alarm "
                          f"{BIAS_FALSE_ALARM:g})"),
               call=code)
-    ctx.say(f"{measured}: unbiased (bound +-{limit:.3f}, false alarm {BIAS_FALSE_ALARM:g})")
+    return f"{measured}: unbiased (bound +-{limit:.3f}, false alarm {BIAS_FALSE_ALARM:g})"
 
 
 def _case(ctx, op):
@@ -140,19 +165,62 @@ def _case(ctx, op):
         ctx.conforms(expected=expected, actual=res.output, scale=scale,
                      bound=bound("output", ctx.dtype, d, kappa), quantity=f"{op}.output",
                      call=code)
-        _judge(ctx, Judged(res.output, expected, scale, d, kappa), code=code)
+        ctx.say(_judge(ctx, Judged(res.output, expected, scale, d, kappa), code=code))
 
 
-@check("F2.rounding_bias", title="LayerNorm outputs are rounded to nearest: no systematic "
-       "bias toward (or away from) zero in float16/bfloat16", ops=("layer_norm",))
+def _grad_case(ctx, op):
+    """dL/dx of GRAD_SHAPE, judged for bias as the outputs are."""
+    d = GRAD_SHAPE[-1]
+    with ctx.case(f"dL/dx: {GRAD_SHAPE[0]} x {d} elements, affine, rounded to "
+                  f"{ctx.dtype_name}"):
+        ctx.require(op, gradient=True)
+        x, w, g = ctx.use(x=ArraySpec(GRAD_SHAPE, ctx.seed, 0.3, 1.5),
+                          weight=ArraySpec((d,), ctx.seed + 1, 1.0, 0.5),
+                          grad=ArraySpec(GRAD_SHAPE, ctx.seed + 3))
+        b = ctx.use(bias=ArraySpec((d,), ctx.seed + 2, 0.0, 0.5)) if op == "layer_norm" else None
+        eps = EPS[op]
+        params = "weight, bias" if op == "layer_norm" else "weight"
+        code = f"result = backend.{op}(x, ({d},), {params}, {eps!r}, grad_output=grad)"
+        args = (w, b) if op == "layer_norm" else (w,)
+        res = ctx.call(code, getattr(ctx.backend, op), x, (d,), *args, eps, g,
+                       outputs_like=outputs_like(x, grads=True, param_shape=(d,), weight=True,
+                                                 bias=b is not None))
+        e = ctx.effective(eps, "eps")
+        x64, w64, g64 = f64(x), f64(w), f64(g)
+        if op == "layer_norm":
+            expected = spec.layer_norm_vjp(x64, (d,), g64, w64, f64(b), e)[0]
+            x_hat = spec.layer_norm(x64, (d,), eps=e)
+            kappa = centring_kappa(x64, (-1,), e)
+            r = 1.0 / np.sqrt(x64.var(axis=-1, keepdims=True) + e)
+        else:
+            expected = spec.rms_norm_vjp(x64, (d,), g64, w64, e)[0]
+            x_hat = spec.rms_norm(x64, (d,), eps=e)
+            kappa = 1.0
+            r = 1.0 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + e)
+        scale = grad_input_scale(r, np.abs(g64 * w64), x_hat, (-1,), centre=op == "layer_norm")
+        vjp_args = f"weight, bias, {e!r}" if op == "layer_norm" else f"weight, {e!r}"
+        ctx.oracle(f"expected = spec.{op}_vjp(x, ({d},), grad, {vjp_args})[0]",
+                   "show(result.grad_input, expected, name='grad_input')")
+        # the values themselves, as F2/F3.grad judge them (the record's measure)
+        ctx.conforms(expected=expected, actual=res.grad_input, scale=scale,
+                     bound=bound("gradient", ctx.dtype, d, kappa), quantity=f"{op}.grad_input",
+                     call=code)
+        ctx.say(_judge(ctx, Judged(res.grad_input, expected, scale, d, kappa), code=code,
+                       row="gradient", got_name="result.grad_input", what="dL/dx"))
+
+
+@check("F2.rounding_bias", title="LayerNorm outputs and dL/dx are rounded to nearest: no "
+       "systematic bias toward (or away from) zero in float16/bfloat16", ops=("layer_norm",))
 def layer_norm_bias(ctx):
     _case(ctx, "layer_norm")
+    _grad_case(ctx, "layer_norm")
 
 
-@check("F3.rounding_bias", title="RMSNorm outputs are rounded to nearest: no systematic "
-       "bias toward (or away from) zero in float16/bfloat16", ops=("rms_norm",))
+@check("F3.rounding_bias", title="RMSNorm outputs and dL/dx are rounded to nearest: no "
+       "systematic bias toward (or away from) zero in float16/bfloat16", ops=("rms_norm",))
 def rms_norm_bias(ctx):
     _case(ctx, "rms_norm")
+    _grad_case(ctx, "rms_norm")
 
 
 @check("F1.rounding_bias", title="BatchNorm outputs are rounded to nearest: no systematic "
@@ -179,7 +247,8 @@ def batch_norm_bias(ctx):
             if mode == "eval":
                 driver.set_mode(False)
                 driver.step("x_eval", ArraySpec(BN_SHAPE, ctx.seed + 3, 0.3, 1.5), mode="eval")
-            _judge(ctx, driver.judged, code=f"result = layer.forward(x{'_eval' * (mode == 'eval')})")
+            ctx.say(_judge(ctx, driver.judged,
+                           code=f"result = layer.forward(x{'_eval' * (mode == 'eval')})"))
 
 
 @check("F6.rounding_bias", title="QK-norm scores are rounded to nearest: no systematic "
@@ -195,8 +264,9 @@ def qk_scores_bias(ctx):
                        k_weight=ArraySpec((d,), ctx.seed + 3, 1.0, 0.3))
         eps, s = 1e-6, float(1.0 / np.sqrt(d))
         judged = qk_scores_case(ctx, eps=eps, scale=s, **recipes)
-        _judge(ctx, judged, row="scores", got_name="scores",
-               code=f"scores = backend.qk_norm_scores(q, k, q_weight, k_weight, {eps!r}, {s!r})")
+        ctx.say(_judge(ctx, judged, row="scores", got_name="scores",
+                       code=f"scores = backend.qk_norm_scores(q, k, q_weight, k_weight, {eps!r}, "
+                            f"{s!r})"))
 
 
 @check("F8.rounding_bias", title="Fused residual add + norm outputs are rounded to nearest: "
@@ -219,8 +289,9 @@ def fused_bias(ctx):
             code = (f"result = backend.fused_add_norm(x, residual, {norm!r}, ({d},), weight, "
                     f"bias, {EPS[norm]!r})")
             if part == "output":
-                _judge(ctx, output, code=code)
+                ctx.say(_judge(ctx, output, code=code))
             else:
-                _judge(ctx, residual, code=code, row="residual_sum", got_name="result.residual",
-                       scale_code="scale = np.abs(x.astype(np.float64)) + "
-                                  "np.abs(residual.astype(np.float64))")
+                ctx.say(_judge(ctx, residual, code=code, row="residual_sum",
+                               got_name="result.residual",
+                               scale_code="scale = np.abs(x.astype(np.float64)) + "
+                                          "np.abs(residual.astype(np.float64))"))
