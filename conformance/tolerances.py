@@ -307,6 +307,22 @@ def rounding_bias_bound(n: int, allowance: float = 0.0,
     return float(allowance + np.sqrt(2.0 * np.log(2.0 / false_alarm) / n))
 
 
+def rounded_once_bound(n: int, allowance: float = 0.0,
+                       false_alarm: float = BIAS_FALSE_ALARM) -> float:
+    """The largest share of n elements a single correct rounding leaves off the oracle's
+    rounding, but with probability `false_alarm`: an element is off only where a midpoint
+    of the dtype lies between the computed value and the exact one, which happens with
+    probability at most its compute allowance (bias_compute_allowance: |difference| /
+    step); `allowance` is their mean, plus Hoeffding's one-sided deviation for n
+    independent indicators, P(mean - E mean >= t) <= exp(-2 n t^2), so t = sqrt(ln(1/p) /
+    (2 n)). A second rounding (a normalized value rounded to the dtype, then multiplied by
+    gamma and rounded again) leaves about a quarter of them off, each by one step: within
+    every per-element bound, and unbiased."""
+    if n <= 0:
+        return float("inf")
+    return float(allowance + np.sqrt(np.log(1.0 / false_alarm) / (2.0 * n)))
+
+
 def table_rows() -> list[dict]:
     return [{"quantity": t.quantity, "base_ulps": t.base_ulps, "fixed": t.fixed,
              "growth": t.growth, "reason": t.reason} for t in TABLE.values()]

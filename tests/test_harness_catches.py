@@ -446,3 +446,11 @@ def test_an_output_neither_precision_of_eps_explains_names_neither():
               if r.case.startswith("rms_norm")]
     assert rec.status == "fail" and "matches eps held in neither precision" in rec.message, \
         rec.message
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_outputs_rounded_twice_fail_the_rounding_check(dtype):
+    """LlamaRMSNorm's x_hat rounded to the dtype before the gain: within 1 ULP and
+    unbiased, so only QK-norm's scores caught it, on one seed (found by a red team)."""
+    (rec,) = run(bb.RoundsBeforeTheGain(), "F3.rounding_bias", dtype)[:1]
+    assert rec.status == "fail" and "off the oracle's rounding" in rec.message, rec.message

@@ -51,6 +51,7 @@ from ..tolerances import (
     centring_kappa,
     grad_input_scale,
     rms_output_scale,
+    rounded_once_bound,
     rounding_bias_bound,
 )
 from . import check
@@ -165,7 +166,37 @@ def _case(ctx, op):
         ctx.conforms(expected=expected, actual=res.output, scale=scale,
                      bound=bound("output", ctx.dtype, d, kappa), quantity=f"{op}.output",
                      call=code)
-        ctx.say(_judge(ctx, Judged(res.output, expected, scale, d, kappa), code=code))
+        judged = Judged(res.output, expected, scale, d, kappa)
+        said = _judge(ctx, judged, code=code)
+        ctx.say(said + _judge_once(ctx, judged, code=code))
+
+
+def _judge_once(ctx, judged: Judged, *, code) -> str:
+    """The share of the judged outputs off the oracle's rounding, judged where the compute
+    precision is finer than the output's: a kernel that rounds the normalized value to
+    the dtype and then multiplies it by gamma in the dtype (Hugging Face's LlamaRMSNorm,
+    the catalogue's rms.half_cast_before_weight) rounds twice, stays within one ULP of
+    every element and is unbiased, so no other judgement sees it (found by a red team:
+    only QK-norm's scores caught it, on one seed), but about a quarter of its elements are
+    one step off (tolerances.rounded_once_bound); returns what the record says of it."""
+    got, expected, scale, n, kappa = judged
+    ref, keep = _kept(got, expected, scale, ctx.dtype)
+    if compute_dtype(ctx.dtype) == ctx.dtype:
+        return ""
+    off = signed_steps(got, expected, ctx.dtype)[keep] != 0
+    count = int(off.size)
+    allowance = bias_compute_allowance(ctx.dtype, n, np.broadcast_to(kappa, ref.shape),
+                                       np.broadcast_to(scale, ref.shape), ref)[keep]
+    limit = rounded_once_bound(count, float(np.minimum(allowance, 1.0).mean()) if count else 0.0)
+    share = float(off.mean()) if count else 0.0
+    measured = f"{share:.2%} of those {count} elements off the oracle's rounding"
+    ctx.oracle("print('share off the oracle rounding:', np.mean(judged_steps(result.output, "
+               "expected, scale, result.output.dtype) != 0))")
+    ctx.holds(condition=share <= limit, got=measured,
+              spec_says=(f"outputs rounded to nearest once, from a value computed in "
+                         f"{compute_dtype(ctx.dtype).name}: at most {limit:.2%} off (false alarm "
+                         f"{BIAS_FALSE_ALARM:g})"), call=code)
+    return f"; {measured} (rounded once: at most {limit:.2%})"
 
 
 def _grad_case(ctx, op):
