@@ -1717,6 +1717,136 @@ class FusedTruncatesResidual(NumpyBackend):
         return res._replace(residual=truncate_to(exact, x.dtype))
 
 
+# ---------------------------------------------------------------- a third review's blind spots
+def _row_count(x, normalized_shape) -> tuple[int, int]:
+    """(rows, d) of x normalized over normalized_shape."""
+    d = int(np.prod(normalized_shape))
+    return (x.size // d if d else 0), d
+
+
+class MultiRowGridRoundsDown(NumpyBackend):
+    """Problems of 32 rows or more with 512 <= d <= 65536 take a kernel of 4 rows a
+    program, launched on rows // 4 programs (floor, not ceil): the last rows % 4 rows
+    keep the zeros of the output buffer. Kernels of several rows a program shipped wrong
+    (FlagGems PR #59 with BLOCK_ROW_SIZE > 1, attorch #17 with BLOCK_SIZE_BATCH > 1); a
+    grid that misses rows is bug class 10 (apex #411). Fewer or narrower rows take a
+    one-row kernel, launched right."""
+
+    ROWS = 4
+
+    def _cut(self, res, x, normalized_shape):
+        rows, d = _row_count(x, normalized_shape)
+        if rows < 32 or not 512 <= d <= 65536 or rows % self.ROWS == 0:
+            return res
+        out = res.output.copy()
+        _rows_of(out, normalized_shape)[rows - rows % self.ROWS:] = 0
+        return res._replace(output=out)
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        return self._cut(super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output),
+                         x, normalized_shape)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        return self._cut(super().rms_norm(x, normalized_shape, weight, eps, grad_output), x,
+                         normalized_shape)
+
+
+class TwoStageParamGradDropsTailRows(FastPathFrom256):
+    """dL/dgamma and dL/dbeta of rows of d >= 512, from 64 rows on, in two stages: a
+    partial sum per block of 32 rows, then a stage 2 that adds rows // 32 of them, so the
+    last rows % 32 rows never reach the sums (the two-stage partial-sum path of pytorch
+    PRs #192016 / #193016, bug class 10). Narrow rows take a one-stage reduction that is
+    right: every row-count case (d = 4) passes."""
+
+    BLOCK = 32
+
+    def _full_rows(self, x, normalized_shape, grad_output):
+        rows, d = _row_count(x, normalized_shape)
+        if grad_output is None or d < 512 or rows < 64 or rows % self.BLOCK == 0:
+            return None
+        return rows // self.BLOCK * self.BLOCK
+
+
+class VectorTailOutsideStats(NumpyBackend):
+    """LayerNorm's inference forward (no upstream gradient) for 1024 < d <= 65536 walks
+    the row in vectors of 16 and leaves the d % 16 tail out of the mean and variance; the
+    tail is still normalized, with the other lanes' statistics. Lanes past the last whole
+    vector or block left out: xformers #785 (columns past BLOCK_SIZE_N ignored), bug
+    class 1 (Liger-Kernel #518). Its training forward, d <= 1024 and RMSNorm are right."""
+
+    VEC = 16
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        _, d = _row_count(x, normalized_shape)
+        if grad_output is not None or not 1024 < d <= 65536 or d % self.VEC == 0 or \
+                len(normalized_shape) != 1:
+            return super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        ct = compute_dtype(x.dtype)
+        xc = x.astype(ct)
+        head = xc[..., :d - d % self.VEC]
+        mu = _mean(head, (-1,))
+        r = 1.0 / np.sqrt(_mean((head - mu) ** 2, (-1,)) + ct.type(eps))
+        return Result(_affine((xc - mu) * r, weight, bias, ct).astype(x.dtype))
+
+
+class FusedSecondPassRereadsX(NumpyBackend):
+    """Fused add + norm of rows wider than one block of 1024: pass 1 adds, writes the
+    residual back and sums the statistics of the sum; pass 2 reloads the row to
+    normalize it from x's pointer instead of the residual it wrote (a pointer mixed up in
+    a fused kernel, bug class 15: nano-vllm PR #171's RMSNorm corrupted the residual).
+    Rows of one block are one pass, and right."""
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        res = super().fused_add_norm(x, residual, norm, normalized_shape, weight, bias, eps,
+                                     grad_outputs)
+        if int(np.prod(normalized_shape)) <= 1024:
+            return res
+        ct = compute_dtype(x.dtype)
+        s, xc, axes = res.residual.astype(ct), x.astype(ct), _axes(x, normalized_shape)
+        mu = _mean(s, axes) if norm == "layer_norm" else ct.type(0)
+        y = (xc - mu) / np.sqrt(_mean((s - mu) ** 2, axes) + ct.type(eps))
+        return res._replace(output=_affine(y, weight, bias if norm == "layer_norm" else None,
+                                           ct).astype(x.dtype))
+
+
+class QkHalvesOwnRms(NumpyBackend):
+    """QK-norm for head_dim a multiple of 128 above 128 (Gemma's 256): one warp per 128
+    lanes, and the cross-warp step of the sum of squares is missing, so each 128-lane
+    half is normalized by its own RMS (sglang's kernels take 256 in a warp path of its
+    own, PR #20661, and QK-norm's cross-warp sum through shared memory, PR #18073).
+    head_dim up to 128, and 160, are right."""
+
+    LANES = 128
+
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        d = q.shape[-1]
+        if d <= self.LANES or d % self.LANES:
+            return super().qk_norm_scores(q, k, q_weight, k_weight, eps, scale)
+        ct = compute_dtype(q.dtype)
+
+        def normed(a, w):
+            warps = a.astype(ct).reshape(a.shape[:-1] + (d // self.LANES, self.LANES))
+            y = (warps / np.sqrt(_mean(warps * warps, (-1,)) + ct.type(eps))).reshape(a.shape)
+            return y * w.astype(ct) if w is not None else y
+
+        s = np.matmul(normed(q, q_weight), np.swapaxes(normed(k, k_weight), -1, -2))
+        return (s * ct.type(scale)).astype(q.dtype)
+
+
+class QkKeyGridStopsAt65535(NumpyBackend):
+    """QK-norm normalizes k in a kernel of its own, one program per key row (batch x
+    heads x keys: a long KV cache) on a grid whose y dimension stops at GRID_LIMIT: key
+    rows past it keep the zeros of k_hat's buffer and score 0 (a KV cache's length as
+    grid.y: llama.cpp PR #19999, ik_llama.cpp PR #2367; bug class 10). Queries take the
+    row-count-safe kernel."""
+
+    def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+        s = super().qk_norm_scores(q, k, q_weight, k_weight, eps, scale)
+        past = np.arange(k.size // k.shape[-1]).reshape(k.shape[:-1]) >= GRID_LIMIT
+        return np.where(past[..., None, :], np.zeros((), s.dtype), s)
+
+
 # ---------------------------------------------------------------- what the harness trusts
 class _HidesItsModeLayer(OracleBatchNorm):
     """The NoGradSkipsUpdate bug (a no-grad forward is validation: it never updates the

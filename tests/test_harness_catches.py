@@ -454,3 +454,37 @@ def test_outputs_rounded_twice_fail_the_rounding_check(dtype):
     unbiased, so only QK-norm's scores caught it, on one seed (found by a red team)."""
     (rec,) = run(bb.RoundsBeforeTheGain(), "F3.rounding_bias", dtype)[:1]
     assert rec.status == "fail" and "off the oracle's rounding" in rec.message, rec.message
+
+
+#: A third review's blind spots: realistic kernels that got through every check because
+#: no case built their trigger. (broken backend, check, dtype, the cases that must fail:
+#: the new ones, and no other); bfloat16, the coarsest dtype, where the defect's size
+#: decides whether it shows.
+TRAIN, INFER = "d = 512, 67 rows", "d = 1039, 67 rows, forward alone (inference)"
+NEW_CASES_CATCH = [
+    (bb.MultiRowGridRoundsDown, "F2/F3.hidden_sizes", "float32",
+     {f"{op}: {case}" for op in ("layer_norm", "rms_norm") for case in (TRAIN, INFER)}),
+    (bb.TwoStageParamGradDropsTailRows, "F2/F3.hidden_sizes", "bfloat16",
+     {f"layer_norm: {TRAIN}", f"rms_norm: {TRAIN}"}),
+    (bb.VectorTailOutsideStats, "F2/F3.hidden_sizes", "bfloat16", {f"layer_norm: {INFER}"}),
+    (bb.FusedSecondPassRereadsX, "F8.fused_add_rms_norm", "bfloat16",
+     {"3 rows of d = 1039, wider than one block: both outputs and all gradients"}),
+    (bb.FusedSecondPassRereadsX, "F8.fused_add_layer_norm", "bfloat16",
+     {"3 rows of d = 1039, wider than one block: both outputs and all gradients"}),
+    (bb.QkHalvesOwnRms, "F6.values", "bfloat16",
+     {"head_dim 256, its first 128 lanes 4 times the last 128's magnitude, gains"}),
+    (bb.QkKeyGridStopsAt65535, "F6.row_counts", "float32", {"1 query row x d = 4, 65537 keys"}),
+]
+
+
+@pytest.mark.parametrize(("broken", "check_id", "dtype", "failing"), NEW_CASES_CATCH,
+                         ids=[f"{b.__name__}-{c}" for b, c, _, _ in NEW_CASES_CATCH])
+def test_the_cases_a_review_found_missing_catch_their_kernels(broken, check_id, dtype, failing):
+    """67-row prefills (4 rows a program on a grid rounded down; dL/dgamma in two stages
+    of 32-row blocks; LayerNorm's inference forward leaving the d % 16 tail out of its
+    statistics), a fused row wider than one block of 1024 (pass 2 normalizing x, not the
+    sum it wrote), QK-norm at head_dim 256 (each 128-lane half by its own RMS) and 65537
+    key rows (keys past a 65535-program grid never normalized): each fails there, and
+    only there."""
+    records = run(broken(), check_id, dtype)
+    assert {r.case for r in records if r.status != "pass"} == failing

@@ -57,7 +57,14 @@ def test_the_groups_have_the_issues_cases():
     assert [c["shape"][0] for c in shapes.row_count_cases()][:12] == [
         0, 1, 2, 255, 256, 257, 300, 4096, 65535, 65536, 65537, 131072]
     assert {c["shape"][1] for c in shapes.hidden_size_cases()} == {
-        17, 100, 160, 1536, 3584, 5120, 70_003}
+        17, 100, 160, 512, 1039, 1536, 3584, 5120, 70_003}
+    # the prefills' triggers (see PREFILL_ROWS): past 64 rows, a count no block of 4 or
+    # 32 rows divides; in inference a row past one block of 1024 with a tail a vector of
+    # 16 leaves, for both norms
+    rows, d = shapes.PREFILL_ROWS, shapes.PREFILL_INFER_D
+    assert rows > 64 and rows % 4 and rows % 32 and 1024 < d <= 65536 and d % 16
+    assert {(c["op"], c["shape"]) for c in shapes.hidden_size_cases() if c.get("forward_alone")} \
+        == {("layer_norm", (rows, d)), ("rms_norm", (rows, d))}
     assert {c["shape"][0] for c in shapes.hidden_size_cases() if c["mean"] != 1.0} == {300}
     assert {len(c["shape"]) for c in shapes.rank_cases()} == {2, 3, 4}
     assert {len(c["normalized_shape"]) for c in shapes.rank_cases()} == {1, 2, 3}

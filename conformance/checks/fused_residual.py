@@ -24,6 +24,9 @@ from . import check
 LN_MEAN, LN_SPREAD, UPDATE_SPREAD = 200.0, 1.0, 1.0
 #: RMSNorm rows: a residual of spread 8 and an update of spread 0.3.
 RMS_SPREAD, RMS_UPDATE = 8.0, 0.3
+#: a row wider than one block of 1024 lanes, by an odd tail of 15: fused kernels walk it
+#: in two passes (see _shape_cases)
+WIDE_D = 1039
 
 
 def _case(ctx, name, *, norm, shape, normalized_shape, seed, weight, bias, eps, gradient,
@@ -44,13 +47,18 @@ def _case(ctx, name, *, norm, shape, normalized_shape, seed, weight, bias, eps, 
 def _shape_cases(rows, seed, **extra):
     """Where fused kernels break as the plain ones do (shapes.py): a width that is not a
     power of two over 300 rows (padded lanes; the 256-row thresholds where a kernel
-    switches path), a 3-D input normalized over its last axis alone (a kernel that takes
-    shape[0] for the row count), and x and the residual as views (a transposed x, a
-    residual of stride 2: a kernel that ignores strides). All gradients in each."""
+    switches path), rows wider than one block of 1024 (a two-pass kernel: pass 1 adds,
+    writes the residual back and sums the statistics, pass 2 reloads the row to
+    normalize it, and must reload the sum it wrote, not x), a 3-D input normalized over
+    its last axis alone (a kernel that takes shape[0] for the row count), and x and the
+    residual as views (a transposed x, a residual of stride 2: a kernel that ignores
+    strides). All gradients in each."""
     common = dict(rows, weight=True, eps=1e-5, gradient=True, **extra)
     return [
         ("300 rows of d = 24: both outputs and all gradients",
          dict(common, shape=(300, 24), normalized_shape=(24,), seed=seed)),
+        (f"3 rows of d = {WIDE_D}, wider than one block: both outputs and all gradients",
+         dict(common, shape=(3, WIDE_D), normalized_shape=(WIDE_D,), seed=seed + 3)),
         ("x (2, 3, 24) normalized over its last axis: both outputs and all gradients",
          dict(common, shape=(2, 3, 24), normalized_shape=(24,), seed=seed + 1)),
         ("x transposed and the residual strided in memory, (2, 5, 24): both outputs and "

@@ -17,7 +17,11 @@ the backend returns gradients, so dL/dgamma and dL/dbeta are compared in every c
   row walked in several blocks) and longer than one block: Liger-Kernel #518, triton
   #9838; and 300-row problems, past the row counts where kernels switch to a tiled
   dL/dgamma reduction or a one-pass variance for "large" inputs (one of them with a mean
-  of 1000, which a one-pass variance cannot survive);
+  of 1000, which a one-pass variance cannot survive); and prefills of 67 rows of wide
+  rows, where kernels take several rows a program and reduce dL/dgamma in two stages of
+  row blocks (FlagGems PR #59, attorch #17, pytorch PR #192016), one in training (with
+  the gradients) and one in inference (the forward alone, a kernel of its own) with a row
+  past one block of 1024 that a loop in vectors of 16 leaves a tail of (xformers #785);
 - ranks 2 to 4 and multi-axis normalized shapes (backwards that assume 2-D input):
   FlagGems #5392, Liger-Kernel #1375;
 - strides and offsets: a last axis with stride 2, a slice with an offset, a transposed
@@ -30,7 +34,8 @@ the backend returns gradients, so dL/dgamma and dL/dbeta are compared in every c
   memory format other than x's, which a backward that indexes it with x's strides
   reads in the wrong order (pytorch #107199).
 
-The row counts are kept small in d (4) so 131072 rows stay a few MB; a backend whose
+The row counts are kept small in d (4) so 131072 rows stay a few MB; QK-norm also takes
+65537 key rows for one query (a long KV cache past a 65535-program grid). A backend whose
 capabilities declare `max_rows` (the Triton interpreter) records the larger row counts as
 unsupported with its reason.
 """
@@ -53,6 +58,22 @@ ROW_D = 4  # small: 131072 x 4 float64 is 4 MB, and the matrix stays fast
 #: one of them with a mean of 1000 that a one-pass variance cannot survive
 HIDDEN_SIZES = ((17, 3, 1.0), (100, 300, 1.0), (160, 300, 1000.0), (1536, 3, 1.0),
                 (3584, 2, 1.0), (5120, 2, 1.0), (70_003, 2, 1.0))
+#: prefills, the only cases with more than 8 rows of d > 160. 67 rows = 64 + 3: past 32
+#: and 64 rows (kernels that take several rows a program, a dL/dgamma reduced in two
+#: stages of row blocks), and no block of 2 to 64 rows divides it (a grid of rows // 4
+#: programs, or a stage 2 that adds rows // 32 partials, leaves the last 3 rows out)
+PREFILL_ROWS = 67
+#: d of the prefill in training (forward and gradients): 512, a wide row (kernels take
+#: their wide-row paths from widths like it on), and no wider: the Triton interpreter's
+#: backward of 67 rows costs about 4x as much at 1039 (its tiles of 8192 elements hold
+#: 16 rows of 512, 4 of 1039)
+PREFILL_TRAIN_D = 512
+#: d of the prefill in inference (the forward alone: an inference kernel is one of its
+#: own): 1039 = 1024 + 15, past one block of 1024 (a row walked in vectors or blocks),
+#: odd, and d % 16 = 15, the largest tail a loop in vectors of 16 can leave out of the
+#: mean and variance, at its largest share of a row past 1024; over 67 rows bfloat16
+#: shows it at every seed tried (20), over 3 rows at 5 of 20
+PREFILL_INFER_D = 1039
 #: (x shape, normalized_shape): ranks 2, 3, 4, one to three normalized axes
 RANKS = (((6, 24), (24,)), ((2, 3, 24), (24,)), ((2, 3, 24), (3, 24)),
          ((2, 2, 3, 24), (24,)), ((2, 2, 3, 24), (3, 24)), ((2, 2, 3, 24), (2, 3, 24)))
@@ -76,15 +97,16 @@ def _rows_allowed(ctx, rows: int) -> None:
 
 def _norm(ctx, case):
     """One LayerNorm or RMSNorm case: weight and bias (LayerNorm), and the gradients
-    where the backend returns them; `layout` / `grad_layout` / `param_layout` place x,
-    the upstream gradient and the parameters in memory."""
+    where the backend returns them, unless `forward_alone` (the inference call);
+    `layout` / `grad_layout` / `param_layout` place x, the upstream gradient and the
+    parameters in memory."""
     op, shape, ns, seed = case["op"], case["shape"], case["normalized_shape"], ctx.seed
     rows = 1
     for n in shape[:len(shape) - len(ns)]:
         rows *= n
     ctx.require(op)
     _rows_allowed(ctx, rows)
-    grads = ctx.has_gradient(op)
+    grads = ctx.has_gradient(op) and not case.get("forward_alone", False)
     pl = case.get("param_layout", "contiguous")
     args = dict(x=ArraySpec(shape, seed, case.get("mean", 1.0), 2.0,
                             case.get("layout", "contiguous")),
@@ -104,7 +126,8 @@ def _name(case, label) -> str:
 def _run(ctx, cases, runner, label):
     for case in cases:
         # say so where a backend returns no gradients: those cases compare the forward only
-        alone = "" if ctx.has_gradient(case["op"]) else ", forward only (no gradients listed)"
+        alone = ", forward alone (inference)" if case.get("forward_alone") else \
+            "" if ctx.has_gradient(case["op"]) else ", forward only (no gradients listed)"
         with ctx.case(_name(case, label(case)) + alone, op=case["op"]):
             runner(ctx, case)
 
@@ -120,6 +143,9 @@ def hidden_size_cases():
     for op in NORM_OPS:
         for d, rows, mean in HIDDEN_SIZES:
             yield dict(op=op, shape=(rows, d), normalized_shape=(d,), mean=mean)
+        for d, alone in ((PREFILL_TRAIN_D, False), (PREFILL_INFER_D, True)):
+            yield dict(op=op, shape=(PREFILL_ROWS, d), normalized_shape=(d,), mean=1.0,
+                       forward_alone=alone)
 
 
 def rank_cases():
@@ -153,8 +179,9 @@ def row_counts(ctx):
 
 
 @check("F2/F3.hidden_sizes", title="Hidden sizes that are not powers of two (17, 100, 160, "
-       "1536, 3584, 5120), longer than 65536 (70003), and 300-row problems (one of mean "
-       "1000): outputs and every gradient equal the oracle's",
+       "1536, 3584, 5120), longer than 65536 (70003), 300-row problems (one of mean 1000) "
+       "and 67-row prefills (d = 512 with gradients, 1039 forward alone): outputs and every "
+       "gradient equal the oracle's",
        ops=NORM_OPS)
 def hidden_sizes(ctx):
     _run(ctx, hidden_size_cases(), _norm,
@@ -179,18 +206,29 @@ def layouts(ctx):
 
 # ------------------------------------------------------------------ QK-norm
 QK_KEYS = 4
+#: key rows for one query: a KV cache longer than 65535 and 65536 rows, for a kernel that
+#: normalizes k one program per row on a grid whose y dimension stops at 65535
+QK_LONG_KEYS = 65537
+
+
+def _qk_rows(ctx, q_rows, k_rows):
+    """Scores of q_rows queries against k_rows keys of d = ROW_D, with gains."""
+    _rows_allowed(ctx, max(q_rows, k_rows))
+    qk_scores_case(ctx, q=ArraySpec((1, q_rows, ROW_D), ctx.seed, 0.0, 1.0),
+                   k=ArraySpec((1, k_rows, ROW_D), ctx.seed + 1, 0.0, 1.0),
+                   q_weight=ArraySpec((ROW_D,), ctx.seed + 2, 1.0, 0.5),
+                   k_weight=ArraySpec((ROW_D,), ctx.seed + 3, 1.0, 0.5))
 
 
 @check("F6.row_counts", title="QK-norm scores with 1 to 131072 query rows (launch thresholds), "
-       "and q, k as strided, sliced or split-heads views", ops=("qk_norm_scores",))
+       "one query against 65537 key rows, and q, k as strided, sliced or split-heads views",
+       ops=("qk_norm_scores",))
 def qk_row_counts(ctx):
     for rows in ROW_COUNTS:
         with ctx.case(f"{rows} query rows x d = {ROW_D}, {QK_KEYS} keys"):
-            _rows_allowed(ctx, rows)
-            qk_scores_case(ctx, q=ArraySpec((1, rows, ROW_D), ctx.seed, 0.0, 1.0),
-                           k=ArraySpec((1, QK_KEYS, ROW_D), ctx.seed + 1, 0.0, 1.0),
-                           q_weight=ArraySpec((ROW_D,), ctx.seed + 2, 1.0, 0.5),
-                           k_weight=ArraySpec((ROW_D,), ctx.seed + 3, 1.0, 0.5))
+            _qk_rows(ctx, rows, QK_KEYS)
+    with ctx.case(f"1 query row x d = {ROW_D}, {QK_LONG_KEYS} keys"):
+        _qk_rows(ctx, 1, QK_LONG_KEYS)
     for layout in ("strided", "sliced", "split_heads"):
         with ctx.case(f"q and k {layout}, [2, 3, 5, 24]"):
             qk_scores_case(ctx, q=ArraySpec((2, 3, 5, 24), ctx.seed, 0.0, 1.0, layout),

@@ -1,9 +1,9 @@
 """Values: each op's forward output against the oracle (F1, F2, F3, F5, F6), on
 Hypothesis-drawn shapes (1-3 normalized axes, sizes that are not powers of two, d = 1)
 and values, plus fixed cases: a row longer than 65536, two normalized axes, d = 1,
-LayerNorm with gamma alone and with beta alone, BatchNorm with 100 channels, and
-QK scales other than 1/sqrt(d_k) (the scale is a parameter, not something the backend may
-compute itself)."""
+LayerNorm with gamma alone and with beta alone, BatchNorm with 100 channels, QK scales
+other than 1/sqrt(d_k) (the scale is a parameter, not something the backend may compute
+itself) and QK-norm at head_dim 256."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from .. import strategies as ns
-from ..cases import ArraySpec
+from ..cases import ArraySpec, Literal
 from ..ops import BatchNormDriver, layer_norm_case, qk_scores_case, rms_norm_case
 from . import check
 
@@ -19,6 +19,13 @@ LONG_ROW = 70_003  # > 65536 and odd: exercises tails and 16-bit index overflow
 #: Scales other than 1/sqrt(d_k): none at all (a temperature folded elsewhere) and a
 #: learned temperature below it.
 QK_SCALES = (1.0, 0.1)
+#: Gemma's head_dim: wider than one 128-lane warp, so a kernel sums each row's squares
+#: across two warps; one that skips the cross-warp step normalizes each 128-lane half by
+#: its own RMS. The drawn cases stop at 160, short of that path. The first half's values
+#: are QK_HALF_RATIO times the second's (energy spread unevenly over the lanes, as
+#: projections' outlier channels spread it): with even halves their RMS differ by
+#: sampling noise alone (~6%), a few ULPs of bfloat16, within its bound at 4 seeds in 20.
+QK_WIDE_HEAD_DIM, QK_HALF_RATIO = 256, 4.0
 #: LayerNorm with one of its two parameters: gamma alone is LayerNorm(bias=False), which
 #: many language models use; beta alone is the other half. The drawn cases pass both or
 #: neither, and a kernel that takes its affine path only when both are given (or applies
@@ -147,3 +154,13 @@ def qk_values(ctx):
             qk_scores_case(ctx, q=ArraySpec((2, 3, 64), ctx.seed, 0.0, 1.0),
                                           k=ArraySpec((2, 4, 64), ctx.seed + 1, 0.0, 1.0),
                                           scale=scale)
+    d = QK_WIDE_HEAD_DIM
+    with ctx.case(f"head_dim {d}, its first {d // 2} lanes {QK_HALF_RATIO:g} times the last "
+                  f"{d // 2}'s magnitude, gains"):
+        # rounded to 2 decimals: the recipe the record prints stays short
+        lanes = np.where(np.arange(d) < d // 2, QK_HALF_RATIO, 1.0)
+        q, k = ArraySpec((1, 2, d), ctx.seed), ArraySpec((1, 3, d), ctx.seed + 1)
+        qk_scores_case(ctx, q=Literal.of(np.round(q.values64() * lanes, 2)),
+                       k=Literal.of(np.round(k.values64() * lanes, 2)),
+                       q_weight=ArraySpec((d,), ctx.seed + 2, 1.0, 0.5),
+                       k_weight=ArraySpec((d,), ctx.seed + 3, 1.0, 0.5))
