@@ -1678,28 +1678,26 @@ class FusedAtomicParamGradSums(NumpyBackend):
                                            weight, bias, eps, grad_outputs)
 
 
-class FusedRmsSwitchesStrategy(FusedSwitchesStrategy):
+class _FusedRmsOnly:
+    """The next class's fused add + norm for RMSNorm alone; numpy's for LayerNorm."""
+
+    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
+                       grad_outputs=None):
+        fused = super().fused_add_norm if norm == "rms_norm" else \
+            partial(NumpyBackend.fused_add_norm, self)
+        return fused(x, residual, norm, normalized_shape, weight, bias, eps, grad_outputs)
+
+
+class FusedRmsSwitchesStrategy(_FusedRmsOnly, FusedSwitchesStrategy):
     """FusedSwitchesStrategy in the fused add + RMSNorm kernel alone, where vLLM #48271's
     was (a sequential loop per row below 256 tokens, a tree from 256 on); its fused add +
     LayerNorm is numpy's, batch-invariant."""
 
-    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
-                       grad_outputs=None):
-        fused = super().fused_add_norm if norm == "rms_norm" else \
-            partial(NumpyBackend.fused_add_norm, self)
-        return fused(x, residual, norm, normalized_shape, weight, bias, eps, grad_outputs)
 
-
-class FusedRmsAtomicParamGradSums(FusedAtomicParamGradSums):
+class FusedRmsAtomicParamGradSums(_FusedRmsOnly, FusedAtomicParamGradSums):
     """FusedAtomicParamGradSums in the fused add + RMSNorm backward alone (a fused RMSNorm
     kernel of its own, reducing dL/dgamma with atomic adds: Liger PR #945); the fused add +
     LayerNorm backward is deterministic."""
-
-    def fused_add_norm(self, x, residual, norm, normalized_shape, weight, bias, eps,
-                       grad_outputs=None):
-        fused = super().fused_add_norm if norm == "rms_norm" else \
-            partial(NumpyBackend.fused_add_norm, self)
-        return fused(x, residual, norm, normalized_shape, weight, bias, eps, grad_outputs)
 
 
 class FusedTruncatesResidual(NumpyBackend):
