@@ -367,6 +367,8 @@ def cmd_run(args) -> int:
     if args.json and Path(args.json).suffix == ".jsonl":
         return _refuse(f"--json {args.json}: a .jsonl file is read as a run's stream; give a "
                        ".json path")
+    if args.json and _same_file(Path(args.json), RESULTS_DIR / LATEST):
+        return _refuse(f"cannot write {args.json}: that file names the latest run")
     if args.html and not args.no_html and _not_a_report_path(Path(args.html)):
         return _refuse(f"cannot write {args.html}: {_not_a_report_path(Path(args.html))}")
     def paths(stem):

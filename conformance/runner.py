@@ -484,7 +484,8 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
                                                                        mine)
     run_doc = doc["runs"][0]
     if stopped_by and not units:
-        # stopped while the backends loaded: every unit of those asked for is unreached
+        # stopped while the backends loaded: every unit of those asked for is unreached,
+        # named as asked (a module:factory's own name is not known before it loads)
         units = shard_units(plan(names, selected, dtypes), shard)
     not_reached = [list(u) for u in units if u not in state.done]
     run_doc["timing"] = state.timing

@@ -116,10 +116,11 @@ TABLE: dict[str, Tolerance] = {t.quantity: t for t in (
               "Running mean/variance after an update: one reduction over m values and the "
               "momentum blend (two roundings), scale = the magnitudes blended, in the "
               "precision the layer computes in (its statistics may be reported finer). The "
-              "variance's kappa is the batch's centring kappa: a variance centred on a "
-              "rounded mean, or merged from partial ones (Welford, Chan), errs in proportion "
-              "to it (found by a review: a correct chunked-Welford layer failed at 2988 ULPs "
-              "against 27 on a channel of mean 1000 and spread 0.01); the mean's kappa is 1."),
+              "batch variance's share of the scale has the batch's centring kappa "
+              "(running_var_kappa): a variance centred on a rounded mean, or merged from "
+              "partial ones (Welford, Chan), errs in proportion to it (found by a review: a "
+              "correct chunked-Welford layer failed at 2988 ULPs against 27 on a channel of "
+              "mean 1000 and spread 0.01); the mean's kappa is 1."),
     Tolerance("block", 1.0, 1.0,
               "A Transformer encoder layer (F8), output and dL/dx, dropout 0. Every reduction "
               "stage on the path adds at most (log2 n + 1) u_c relative to the magnitudes it "
@@ -240,6 +241,20 @@ def block_stages(num_layers: int, final_norm: bool, *, gradient: bool) -> int:
 def block_kappa(d_model: int) -> float:
     """1 + sqrt(d_model): the most a LayerNorm amplifies a relative error (TABLE["block"])."""
     return 1.0 + float(np.sqrt(d_model))
+
+
+def running_var_kappa(kappa, a, batch_var, scale) -> np.ndarray:
+    """The kappa of a running variance's bound (TABLE["running_stat"]): the batch's
+    centring kappa on the batch term's share of the scale, a v_u / ((1 - a)|old| + a v_u),
+    1 on the rest: the old value is an input, exact, and only the batch variance carries
+    the conditioning (found by a review: kappa on the whole scale let a one-pass variance
+    of a channel of mean 1000 and spread 0.01 pass at 319,408 ULPs, where the old value
+    1 dominated the scale). A constant batch (variance 0) adds nothing."""
+    share = np.divide(a * np.asarray(batch_var, np.float64), scale,
+                      out=np.zeros(np.broadcast(batch_var, scale).shape), where=scale > 0)
+    with np.errstate(invalid="ignore"):
+        k = 1.0 + (np.asarray(kappa, np.float64) - 1.0) * share
+    return np.where(share > 0, k, 1.0)
 
 
 def centring_kappa(x64: np.ndarray, axes, eps: float) -> np.ndarray:

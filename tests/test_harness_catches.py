@@ -488,3 +488,26 @@ def test_the_cases_a_review_found_missing_catch_their_kernels(broken, check_id, 
     only there."""
     records = run(broken(), check_id, dtype)
     assert {r.case for r in records if r.status != "pass"} == failing
+
+
+def test_a_running_variance_is_judged_at_the_batchs_share_of_its_scale():
+    """The batch's centring kappa multiplied the whole blended scale, where the old value
+    (1) dominated: a running variance with the batch variance doubled passed at 158 ULPs
+    on a channel of mean 1000 and spread 0.01, momentum 0.1 (found by a review)."""
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops.batch_norm import BatchNormDriver
+
+    class DoublesTheBatchVariance(bb.NumpyBatchNorm):
+        def update_running(self, mu, sum_sq, m):
+            super().update_running(mu, 2 * sum_sq, m)
+
+    backend = bb._bn_backend(DoublesTheBatchVariance)()
+    ctx = Context(backend_name="t", source="tests", backend=backend, check_id="t", claim="F4",
+                  op="batch_norm", dtype=np.dtype(np.float32), seed=0, examples=1,
+                  conventions=backend.conventions)
+    x = np.random.default_rng(0).normal(1000.0, 0.01, size=(64, 2))
+    with np.errstate(all="ignore"), ctx.case("mean 1000, spread 0.01, momentum 0.1"):
+        BatchNormDriver(ctx, 2, momentum=0.1).step("x", Literal.of(x), mode="train")
+    rec = ctx.records[-1]
+    assert rec.status == "fail" and "running_var" in rec.message, rec.message

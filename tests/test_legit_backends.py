@@ -84,3 +84,25 @@ def test_float16_statistics_past_their_range_do_not_fail_a_correct_eval(spread, 
         size=(5, 4)))
     assert [r.status for r in records] == ["pass"], [r.message for r in records]
     assert statuses(NumpyBackend(), "F5.values", "float16", 3, examples=20) == set()
+
+
+def test_float16_statistics_past_their_range_hold_over_several_steps():
+    """The spec's update of a second step started from the inf the first reported, so
+    the stand-in held for one step only (found by a review: 661 ULPs against 1)."""
+    rng = np.random.default_rng(0)
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops.batch_norm import BatchNormDriver
+    from normspec.impls.protocol import np_dtype
+
+    backend = NumpyBackend()
+    ctx = Context(backend_name="numpy", source="tests", backend=backend, check_id="t",
+                  claim="F5", op="batch_norm", dtype=np_dtype("float16"), seed=0, examples=1,
+                  conventions=backend.conventions)
+    with np.errstate(all="ignore"), ctx.case("two steps past float16's range, then eval"):
+        driver = BatchNormDriver(ctx, 4, momentum=0.5)
+        for step in range(3):
+            driver.step(f"x{step}", Literal.of(300.0 * rng.normal(size=(3, 4))), mode="train")
+        driver.set_mode(False)
+        driver.step("x_eval", Literal.of(300.0 * rng.normal(size=(5, 4))), mode="eval")
+    assert [r.status for r in ctx.records] == ["pass"], [r.message for r in ctx.records]

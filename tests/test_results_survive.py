@@ -371,6 +371,19 @@ def test_a_damaged_line_costs_that_line_alone(tmp_path):
     assert "records may be missing" in text  # on the backend's verdict
 
 
+def test_the_line_a_run_in_progress_is_writing_is_not_damage(tmp_path):
+    """A report of a live run counted the half-written last line as damaged ("records may
+    be missing"; found by a review): an unterminated last line that starts a JSON object,
+    in a stream with no end line, is a line still being written."""
+    path = tmp_path / "r.jsonl"
+    _written_stream(path, 3)
+    text = path.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)[0] + b"\n"  # no end line yet
+    path.write_bytes(text + b'{"record": {"backend": "numpy", "che')
+    assert results.read(path)["runs"][0]["unreadable_lines"] == []
+    path.write_bytes(text + b"\0\0\0\0")  # a hole of NUL bytes at the end is damage
+    assert results.read(path)["runs"][0]["unreadable_lines"] == [len(text.split(b"\n"))]
+
+
 def test_a_small_run_after_a_big_one_leaves_it_intact(tmp_path):
     big = normspec(tmp_path, "run", "--backend", "numpy", "--check", "F2", "--check", "F3",
                    "--label", "big", "--quiet")
@@ -454,6 +467,7 @@ BAD_RUN = [
     # said "conforms"
     (["--json", ""], "the path is empty"), (["--html", ""], "the path is empty"),
     (["--json", "r.jsonl"], "r.jsonl"), (["--html", "r.json"], "r.json"),
+    (["--json", "results/latest"], "names the latest run"),
     (["--label", "x" * 150], "150 characters"),
     (["--shard", "7/100"], "nothing to run"),
     (["--json", "r.json", "--html", "r.json"], "r.json"),

@@ -17,6 +17,7 @@ from ..tolerances import (
     grad_input_scale,
     reported_stats_ulps,
     running_stat_scales,
+    running_var_kappa,
     shift_kappa,
 )
 from ._common import Judged, compare_param_grads, f64
@@ -156,7 +157,7 @@ class BatchNormDriver:
         variants = None
         if use_batch:
             keeps = training and self.track
-            rm_in, rv_in = (f64(self.rm), f64(self.rv)) if keeps else (None, None)
+            rm_in, rv_in = self._held() if keeps else (None, None)
             expected, rm, rv = spec.batch_norm_train(
                 x64, rm_in, rv_in, w64, b64, a, self.e, num_batches_tracked=self.steps)
 
@@ -278,7 +279,10 @@ class BatchNormDriver:
         being 65504) for the finite value the spec's update gave and the layer holds,
         which then stands in (a float16 layer holding its variance of 70805 in float32
         reported inf, and its correct output failed at 556 ULPs against an oracle at an
-        infinite variance: found by a review); the repro and the record say so."""
+        infinite variance: found by a review); the repro and the record say so. The
+        spec's update of the next training step starts from them too, so the stand-in
+        holds over several steps (a second step's update from an inf was inf: found by a
+        review)."""
         held = []
         for nm, got, spec_value in (("rm", self.rm, self.spec_rm), ("rv", self.rv, self.spec_rv)):
             got64 = f64(got)
@@ -316,7 +320,7 @@ class BatchNormDriver:
         `variants(i)` recomputes field i (1: running_mean, 2: running_var) under a
         variant of the training forward, for diagnosis."""
         ctx = self.ctx
-        old_rm, old_rv = f64(self.rm), f64(self.rv)
+        old_rm, old_rv = self._held()  # (what the spec's update started from)
         self.rm, self.rv = self._stats("after a training forward")
         self.spec_rm, self.spec_rv = rm_ref, rv_ref
         if not self.compare_stats:
@@ -327,7 +331,8 @@ class BatchNormDriver:
         # the declared biased estimator's update, which the spec does not share (F4)
         biased = [((1 - a) * old_rv + a * x64.var(axis=axes), "running_var_estimator")] \
             if ctx.convention("running_var_estimator") == "biased" else []
-        kappa = centring_kappa(x64, axes, self.e).reshape(-1)
+        v_u = x64.var(axis=axes) * count / max(count - 1, 1)
+        kappa = running_var_kappa(centring_kappa(x64, axes, self.e).reshape(-1), a, v_u, rv_scale)
         for nm, ref, got, sc, explained, var, pick, k in (
                 ("running_mean", rm_ref, self.rm, rm_scale, [], "new_rm", 1, 1.0),
                 ("running_var", rv_ref, self.rv, rv_scale, biased, "new_rv", 2, kappa)):

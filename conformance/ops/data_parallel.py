@@ -24,6 +24,7 @@ from ..tolerances import (
     grad_input_scale,
     param_grad_scales,
     running_stat_scales,
+    running_var_kappa,
 )
 from ..twins import modified, twin
 from ._common import f64
@@ -183,7 +184,9 @@ class DataParallelRun:
             axes, _ = _layout(grp)
             n = grp.size // grp.shape[1]
             scales = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], grp, n, self.a, axes)
-            kappa = centring_kappa(grp, axes, self.e).reshape(-1)
+            v_u = grp.var(axis=axes) * n / max(n - 1, 1)
+            kappa = running_var_kappa(centring_kappa(grp, axes, self.e).reshape(-1), self.a, v_u,
+                                      scales[1])
             for f, sc, k in zip(("running_mean", "running_var"), scales, (1.0, kappa), strict=True):
                 got = getattr(self.result, f)[t][r]
                 try:
@@ -244,9 +247,12 @@ class DataParallelRun:
                         old = exp["old_rv"][r]
                         explained = [((1 - a) * old + a * var.reshape(-1), "running_var_estimator")]
                     sc = rm_scale if f == "running_mean" else rv_scale
-                    k = 1.0 if f == "running_mean" else kappa.reshape(-1)
+                    v_u = var.reshape(-1) * n / max(n - 1, 1)
+                    stat_kappa = 1.0 if f == "running_mean" else running_var_kappa(
+                        kappa.reshape(-1), a, v_u, rv_scale)
                     ctx.conforms(expected=exp[f][r], actual=got, dtype=got.dtype, scale=sc,
-                                 bound=bound("running_stat", got.dtype, n, k, compute=ctx.dtype),
+                                 bound=bound("running_stat", got.dtype, n, stat_kappa,
+                                             compute=ctx.dtype),
                                  quantity=quantity, what=what, call=self.code,
                                  explained=explained)
                 else:
