@@ -1356,6 +1356,39 @@ class TruncatesHalfGradients(TruncatesHalf):
                       *(None if a is None else truncate_to(a, dtype) for a in res[1:]))
 
 
+class BackwardFromTheOutput(NumpyBackend):
+    """A memory-efficient backward (Apex's memory_efficient LayerNorm and RMSNorm): it
+    keeps y, not x, and rebuilds x_hat = (y - beta) / gamma, which is NaN (0 / 0) or inf
+    where gamma is 0 (zero-initialized or pruned gains) and loses bits where it is small."""
+
+    def _vjp_from_output(self, op, x, normalized_shape, weight, bias, eps, grad_output):
+        args = (x, normalized_shape, weight, bias, eps) if op == "layer_norm" else \
+            (x, normalized_shape, weight, eps)
+        res = getattr(NumpyBackend, op)(self, *args, grad_output)
+        if grad_output is None or weight is None:
+            return res
+        ct = compute_dtype(x.dtype)
+        axes = _axes(x, normalized_shape)
+        y, w, g = res.output.astype(ct), weight.astype(ct), grad_output.astype(ct)
+        with np.errstate(all="ignore"):
+            x_hat = (y - (bias.astype(ct) if bias is not None else 0)) / w
+            var = _mean((x.astype(ct) - (_mean(x.astype(ct), axes) if op == "layer_norm" else 0))
+                        ** 2, axes)
+            r = 1 / np.sqrt(var + ct.type(eps))
+            h = g * w
+            gx = r * (h - x_hat * _mean(h * x_hat, axes)
+                      - (_mean(h, axes) if op == "layer_norm" else 0))
+        return res._replace(grad_input=gx.astype(x.dtype))
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        return self._vjp_from_output("layer_norm", x, normalized_shape, weight, bias, eps,
+                                     grad_output)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        return self._vjp_from_output("rms_norm", x, normalized_shape, weight, None, eps,
+                                     grad_output)
+
+
 class RoundsBeforeTheGain(NumpyBackend):
     """RMSNorm as Hugging Face's LlamaRMSNorm writes it, weight * x_hat.to(input_dtype):
     the normalized value rounded to float16/bfloat16, then multiplied by gamma and

@@ -511,3 +511,14 @@ def test_a_running_variance_is_judged_at_the_batchs_share_of_its_scale():
         BatchNormDriver(ctx, 2, momentum=0.1).step("x", Literal.of(x), mode="train")
     rec = ctx.records[-1]
     assert rec.status == "fail" and "running_var" in rec.message, rec.message
+
+
+@pytest.mark.parametrize("check_id", ["F2.grad", "F3.grad"])
+def test_a_backward_from_the_output_fails_on_zero_gains(check_id):
+    """x_hat rebuilt from y as (y - beta) / gamma is NaN where gamma is 0: the drawn
+    gains never held a zero, and the suite caught it only through the error small gains
+    amplify (found by a red team)."""
+    failed = [r for r in run(bb.BackwardFromTheOutput(), check_id, "float32")
+              if r.status == "fail"]
+    assert [r.case.split(":")[0] for r in failed if r.case.startswith("gamma with zeros")] \
+        and any("nan" in r.message for r in failed), [r.message[:120] for r in failed]
