@@ -15,7 +15,6 @@ from ..ops import BatchNormDriver, layer_norm_case, rms_norm_case
 from . import check
 from .values import many_channels_case, one_parameter_cases
 
-
 #: gamma of the zero-gains cases: exact zeros among ordinary gains, one negative
 ZERO_GAINS = (1.25, 0.0, -0.75, 0.0, 2.0, 0.5, 0.0, 1.0)
 ZERO_GAINS_ROWS = 6
