@@ -679,7 +679,20 @@ def _rows_of(a, normalized_shape):
     return a.reshape((-1,) + tuple(a.shape[a.ndim - len(normalized_shape):]))
 
 
-class GridStopsAt65535(NumpyBackend):
+class _CutsNormOutputs(NumpyBackend):
+    """numpy's LayerNorm and RMSNorm, their results passed through the subclass's _cut
+    (result, x, normalized_shape): what a launch bug leaves unwritten."""
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        return self._cut(super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output),
+                         x, normalized_shape)
+
+    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
+        return self._cut(super().rms_norm(x, normalized_shape, weight, eps, grad_output), x,
+                         normalized_shape)
+
+
+class GridStopsAt65535(_CutsNormOutputs):
     """One program per row on a grid capped at 65535: rows past it are never visited and
     keep the zeros of the output buffers (apex #411, pytorch #16998); its BatchNorm
     takes the statistics of the first 65535 samples only (pytorch #19911). QK-norm goes
@@ -693,14 +706,6 @@ class GridStopsAt65535(NumpyBackend):
                 _rows_of(a, normalized_shape)[GRID_LIMIT:] = 0
             out.append(a)
         return Result(*out)
-
-    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
-        return self._cut(super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output),
-                         x, normalized_shape)
-
-    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
-        return self._cut(super().rms_norm(x, normalized_shape, weight, eps, grad_output), x,
-                         normalized_shape)
 
     def mean(self, v, axes):
         return super().mean(v[:GRID_LIMIT], axes) if 0 in axes else super().mean(v, axes)
@@ -1755,7 +1760,7 @@ def _row_count(x, normalized_shape) -> tuple[int, int]:
     return (x.size // d if d else 0), d
 
 
-class MultiRowGridRoundsDown(NumpyBackend):
+class MultiRowGridRoundsDown(_CutsNormOutputs):
     """Problems of 32 rows or more with 512 <= d <= 65536 take a kernel of 4 rows a
     program, launched on rows // 4 programs (floor, not ceil): the last rows % 4 rows
     keep the zeros of the output buffer. Kernels of several rows a program shipped wrong
@@ -1772,14 +1777,6 @@ class MultiRowGridRoundsDown(NumpyBackend):
         out = res.output.copy()
         _rows_of(out, normalized_shape)[rows - rows % self.ROWS:] = 0
         return res._replace(output=out)
-
-    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
-        return self._cut(super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output),
-                         x, normalized_shape)
-
-    def rms_norm(self, x, normalized_shape, weight, eps, grad_output=None):
-        return self._cut(super().rms_norm(x, normalized_shape, weight, eps, grad_output), x,
-                         normalized_shape)
 
 
 class TwoStageParamGradDropsTailRows(FastPathFrom256):
