@@ -257,6 +257,16 @@ def running_var_kappa(kappa, a, batch_var, scale) -> np.ndarray:
     return np.where(share > 0, k, 1.0)
 
 
+def running_var_bound(dtype, compute, x64, count: int, a, axes, eps, scale) -> np.ndarray:
+    """TABLE["running_stat"] for a running variance of `dtype`, per channel, after a blend
+    with weight `a` of the batch x64 (`count` values a channel, over `axes`) into a layer
+    computing in `compute`'s precision, at `scale` (running_stat_scales'): the batch's
+    unbiased variance and centring kappa give running_var_kappa."""
+    v_u = x64.var(axis=axes) * count / max(count - 1, 1)
+    kappa = running_var_kappa(centring_kappa(x64, axes, eps).reshape(-1), a, v_u, scale)
+    return bound("running_stat", dtype, count, kappa, compute=compute)
+
+
 def centring_kappa(x64: np.ndarray, axes, eps: float) -> np.ndarray:
     """1 + mean|x| / sqrt(var + eps) over `axes`, keepdims: how much the mean's rounding
     is amplified by centring and dividing by the spread."""

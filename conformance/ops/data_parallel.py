@@ -24,7 +24,7 @@ from ..tolerances import (
     grad_input_scale,
     param_grad_scales,
     running_stat_scales,
-    running_var_kappa,
+    running_var_bound,
 )
 from ..twins import modified, twin
 from ._common import f64
@@ -184,19 +184,22 @@ class DataParallelRun:
             axes, _ = _layout(grp)
             n = grp.size // grp.shape[1]
             scales = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], grp, n, self.a, axes)
-            v_u = grp.var(axis=axes) * n / max(n - 1, 1)
-            kappa = running_var_kappa(centring_kappa(grp, axes, self.e).reshape(-1), self.a, v_u,
-                                      scales[1])
-            for f, sc, k in zip(("running_mean", "running_var"), scales, (1.0, kappa), strict=True):
+            for f, sc in zip(("running_mean", "running_var"), scales, strict=True):
                 got = getattr(self.result, f)[t][r]
                 try:
                     assert_conforms(expected=exp[f][r], actual=got, dtype=got.dtype, scale=sc,
-                                    bound=bound("running_stat", got.dtype, n, k,
-                                                compute=self.ctx.dtype),
+                                    bound=self._stat_bound(f, got.dtype, grp, n, axes, sc),
                                     quantity=f"batch_norm.dp.{f}", call=self.code)
                 except CheckFailure:
                     return False
         return True
+
+    def _stat_bound(self, field, dtype, grp, n, axes, scale):
+        """The bound of running statistic `field` (of `dtype`) after the blend of the
+        group `grp` (n values a channel, over `axes`), at its `scale`."""
+        if field == "running_mean":
+            return bound("running_stat", dtype, n, compute=self.ctx.dtype)
+        return running_var_bound(dtype, self.ctx.dtype, grp, n, self.a, axes, self.e, scale)
 
     def compare(self, t, fields=FIELDS, rule="per_replica"):
         """Every field of step t against the oracle, replica by replica."""
@@ -247,12 +250,8 @@ class DataParallelRun:
                         old = exp["old_rv"][r]
                         explained = [((1 - a) * old + a * var.reshape(-1), "running_var_estimator")]
                     sc = rm_scale if f == "running_mean" else rv_scale
-                    v_u = var.reshape(-1) * n / max(n - 1, 1)
-                    stat_kappa = 1.0 if f == "running_mean" else running_var_kappa(
-                        kappa.reshape(-1), a, v_u, rv_scale)
                     ctx.conforms(expected=exp[f][r], actual=got, dtype=got.dtype, scale=sc,
-                                 bound=bound("running_stat", got.dtype, n, stat_kappa,
-                                             compute=ctx.dtype),
+                                 bound=self._stat_bound(f, got.dtype, grp, n, axes, sc),
                                  quantity=quantity, what=what, call=self.code,
                                  explained=explained)
                 else:
