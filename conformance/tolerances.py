@@ -52,6 +52,7 @@ import ml_dtypes
 import numpy as np
 from normspec.impls.protocol import compute_dtype, np_dtype
 from normspec.spec import ulp
+from normspec.spec._reductions import fast_max, fast_mean, fast_var
 
 
 @dataclass(frozen=True)
@@ -270,8 +271,8 @@ def running_var_bound(dtype, compute, x64, count: int, a, axes, eps, scale) -> n
 def centring_kappa(x64: np.ndarray, axes, eps: float) -> np.ndarray:
     """1 + mean|x| / sqrt(var + eps) over `axes`, keepdims: how much the mean's rounding
     is amplified by centring and dividing by the spread."""
-    mean_abs = np.abs(x64).mean(axis=axes, keepdims=True)
-    spread = np.sqrt(x64.var(axis=axes, keepdims=True) + eps)
+    mean_abs = fast_mean(np.abs(x64), axes, keepdims=True)
+    spread = np.sqrt(fast_var(x64, axes, keepdims=True) + eps)
     with np.errstate(divide="ignore", invalid="ignore"):
         k = 1.0 + mean_abs / spread
     return np.where(np.isfinite(k), k, np.inf)
@@ -361,22 +362,22 @@ def centred_output_scale(x_hat, gamma, beta, axes) -> np.ndarray:
     """LayerNorm and BatchNorm outputs: max over the group of max(|x_hat|, 1) |gamma| + |beta|.
     max(|x_hat|, 1): the mean's rounding error reaches the output as gamma * delta_mu * r
     even where x_hat is 0 (d = 1, constant rows), so gamma itself bounds the error's scale."""
-    return np.max(np.maximum(np.abs(x_hat), 1.0) * np.abs(gamma) + np.abs(beta), axis=axes,
-                  keepdims=True)
+    return fast_max(np.maximum(np.abs(x_hat), 1.0) * np.abs(gamma) + np.abs(beta), axes,
+                    keepdims=True)
 
 
 def rms_output_scale(x_r, gamma, axes) -> np.ndarray:
     """RMSNorm outputs: max |x / rms| |gamma| over the row (no centring, no shift)."""
-    return np.max(np.abs(x_r) * gamma, axis=axes, keepdims=True)
+    return fast_max(np.abs(x_r) * gamma, axes, keepdims=True)
 
 
 def grad_input_scale(r, h, x_hat, axes, *, centre: bool) -> np.ndarray:
     """The magnitude of the terms of dL/dx = r (h - mean(h) - x_hat mean(h x_hat)) over
     the normalized `axes` (no mean(h) term for RMSNorm), with h = |g gamma|."""
-    terms = np.max(h, axis=axes, keepdims=True) + np.max(np.abs(x_hat), axis=axes, keepdims=True) \
-        * (h * np.abs(x_hat)).mean(axis=axes, keepdims=True)
+    terms = fast_max(h, axes, keepdims=True) + fast_max(np.abs(x_hat), axes, keepdims=True) \
+        * fast_mean(h * np.abs(x_hat), axes, keepdims=True)
     if centre:
-        terms = terms + h.mean(axis=axes, keepdims=True)
+        terms = terms + fast_mean(h, axes, keepdims=True)
     return r * terms
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._reductions import fast_mean
 from ._sums import sum_over
 from ._validate import (
     as_float64,
@@ -17,8 +18,8 @@ from ._validate import (
 
 
 def _refined_mean(x, axes):
-    mu = x.mean(axis=axes, keepdims=True)
-    return mu + (x - mu).mean(axis=axes, keepdims=True)
+    mu = fast_mean(x, axes, keepdims=True)
+    return mu + fast_mean(x - mu, axes, keepdims=True)
 
 
 @ieee
@@ -39,7 +40,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     # own rounding of mu is ~u * spread, not ~u * |mu|
     mu = _refined_mean(x, axes)
     # var = (1/d) sum_j (x_j - mu)^2, two-pass so the oracle itself does not cancel
-    var = ((x - mu) ** 2).mean(axis=axes, keepdims=True)
+    var = fast_mean((x - mu) ** 2, axes, keepdims=True)
     # x_hat = (x - mu) / sqrt(var + eps)
     y = (x - mu) / np.sqrt(var + eps)
     # y = gamma * x_hat + beta
@@ -69,11 +70,11 @@ def layer_norm_vjp(x, normalized_shape, grad_output, weight=None, bias=None, eps
     eps = check_eps(eps)
     batch_axes = tuple(range(axes[0]))
     mu = _refined_mean(x, axes)
-    r = 1.0 / np.sqrt(((x - mu) ** 2).mean(axis=axes, keepdims=True) + eps)
+    r = 1.0 / np.sqrt(fast_mean((x - mu) ** 2, axes, keepdims=True) + eps)
     x_hat = (x - mu) * r
     h = g * weight if weight is not None else g
-    grad_x = r * (h - h.mean(axis=axes, keepdims=True)
-                  - x_hat * (h * x_hat).mean(axis=axes, keepdims=True))
+    grad_x = r * (h - fast_mean(h, axes, keepdims=True)
+                  - x_hat * fast_mean(h * x_hat, axes, keepdims=True))
     grad_weight = sum_over(g * x_hat, batch_axes) if weight is not None else None
     grad_bias = sum_over(g, batch_axes) if bias is not None else None
     return grad_x, grad_weight, grad_bias

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._reductions import fast_mean
 from ._sums import sum_over
 from ._validate import (
     as_float64,
@@ -34,7 +35,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=RMS_NORM_DEFAULT_EPS):
     check_param_shape("weight", weight, x.shape[axes[0]:])
     eps = check_eps(eps)
     # ms = (1/d) sum_k x_k^2
-    ms = (x * x).mean(axis=axes, keepdims=True)
+    ms = fast_mean(x * x, axes, keepdims=True)
     # y = x / sqrt(ms + eps)
     y = x / np.sqrt(ms + eps)
     # y = gamma * y
@@ -58,8 +59,8 @@ def rms_norm_vjp(x, normalized_shape, grad_output, weight=None, eps=RMS_NORM_DEF
     weight = optional_float64("weight", weight)
     check_param_shape("weight", weight, x.shape[axes[0]:])
     eps = check_eps(eps)
-    r = 1.0 / np.sqrt((x * x).mean(axis=axes, keepdims=True) + eps)
+    r = 1.0 / np.sqrt(fast_mean(x * x, axes, keepdims=True) + eps)
     h = g * weight if weight is not None else g
-    grad_x = r * (h - x * r * r * (h * x).mean(axis=axes, keepdims=True))
+    grad_x = r * (h - x * r * r * fast_mean(h * x, axes, keepdims=True))
     grad_weight = sum_over(g * x * r, tuple(range(axes[0]))) if weight is not None else None
     return grad_x, grad_weight
