@@ -11,9 +11,9 @@ import numpy as np
 from ..assertions import CheckFailure
 from ..diagnosis import Alternatives
 from ..tolerances import (
+    batch_moments,
     bound,
     centred_output_scale,
-    centring_kappa,
     grad_input_scale,
     reported_stats_ulps,
     running_stat_scales,
@@ -167,8 +167,9 @@ class BatchNormDriver:
                                     x64.size // x64.shape[1],
                                     statistics=(x64, axes, _channel(w64, bshape),
                                                 _channel(b64, bshape), e))
-            mean, var, n = x64.mean(axis=axes), x64.var(axis=axes), x64.size // x64.shape[1]
-            kappa = centring_kappa(x64, axes, self.e)
+            moments = batch_moments(x64, axes, self.e)
+            mean, var, n = x64.mean(axis=axes), moments.var.reshape(-1), moments.count
+            kappa = moments.kappa
             stats = "rm, rv" if keeps else "None, None"
             ctx.oracle(f"expected, new_rm, new_rv = spec.batch_norm_train({name}, {stats}, weight, "
                        f"bias, {a!r}, {self.e!r}, num_batches_tracked={self.steps})")
@@ -196,7 +197,7 @@ class BatchNormDriver:
             self._compare_grads(code, name, x64, f64(g), res, use_batch, mean, var, n, kappa)
         if training and self.track:
             self.steps += 1
-            self._compare_stats(rm, rv, x64, n, code, variants)
+            self._compare_stats(rm, rv, moments, code, variants)
             self._compare_count(code)
         elif self.track:
             self._compare_count(code)
@@ -315,10 +316,11 @@ class BatchNormDriver:
                        spec_says=f"{self.steps}, one per training forward with running "
                                  f"statistics (F4)", call=code)
 
-    def _compare_stats(self, rm_ref, rv_ref, x64, count, code, variants=None):
-        """The running statistics after a training step against the oracle's update;
-        `variants(i)` recomputes field i (1: running_mean, 2: running_var) under a
-        variant of the training forward, for diagnosis."""
+    def _compare_stats(self, rm_ref, rv_ref, moments, code, variants=None):
+        """The running statistics after a training step on a batch of these `moments`
+        (tolerances.batch_moments) against the oracle's update; `variants(i)` recomputes
+        field i (1: running_mean, 2: running_var) under a variant of the training forward,
+        for diagnosis."""
         ctx = self.ctx
         old_rm, old_rv = self._held()  # (what the spec's update started from)
         self.rm, self.rv = self._stats("after a training forward")
@@ -326,18 +328,17 @@ class BatchNormDriver:
         if not self.compare_stats:
             return
         a = self.step_a
-        axes, _ = _layout(x64)
-        rm_scale, rv_scale = running_stat_scales(old_rm, old_rv, x64, count, a, axes)
+        rm_scale, rv_scale = running_stat_scales(old_rm, old_rv, moments, a)
         # the declared biased estimator's update, which the spec does not share (F4)
-        biased = [((1 - a) * old_rv + a * x64.var(axis=axes), "running_var_estimator")] \
+        biased = [((1 - a) * old_rv + a * moments.var.reshape(-1), "running_var_estimator")] \
             if ctx.convention("running_var_estimator") == "biased" else []
         for nm, ref, got, sc, explained, var, pick in (
                 ("running_mean", rm_ref, self.rm, rm_scale, [], "new_rm", 1),
                 ("running_var", rv_ref, self.rv, rv_scale, biased, "new_rv", 2)):
             ctx.oracle(f"show(layer.{nm}, {var}, name='{nm}')")
-            bd = bound("running_stat", got.dtype, count, compute=ctx.dtype) \
+            bd = bound("running_stat", got.dtype, moments.count, compute=ctx.dtype) \
                 if nm == "running_mean" else \
-                running_var_bound(got.dtype, ctx.dtype, x64, count, a, axes, self.e, sc)
+                running_var_bound(got.dtype, ctx.dtype, moments, a, sc)
             try:
                 ctx.conforms(expected=ref, actual=got, dtype=got.dtype, scale=sc, bound=bd,
                              quantity=f"batch_norm.{nm}", call=code, explained=explained,

@@ -18,9 +18,9 @@ import numpy as np
 
 from ..assertions import CheckFailure, assert_conforms
 from ..tolerances import (
+    batch_moments,
     bound,
     centred_output_scale,
-    centring_kappa,
     grad_input_scale,
     param_grad_scales,
     running_stat_scales,
@@ -182,24 +182,24 @@ class DataParallelRun:
         for r in range(self.world):
             grp = groups[r]
             axes, _ = _layout(grp)
-            n = grp.size // grp.shape[1]
-            scales = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], grp, n, self.a, axes)
+            moments = batch_moments(grp, axes, self.e)
+            scales = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], moments, self.a)
             for f, sc in zip(("running_mean", "running_var"), scales, strict=True):
                 got = getattr(self.result, f)[t][r]
                 try:
                     assert_conforms(expected=exp[f][r], actual=got, dtype=got.dtype, scale=sc,
-                                    bound=self._stat_bound(f, got.dtype, grp, n, axes, sc),
+                                    bound=self._stat_bound(f, got.dtype, moments, sc),
                                     quantity=f"batch_norm.dp.{f}", call=self.code)
                 except CheckFailure:
                     return False
         return True
 
-    def _stat_bound(self, field, dtype, grp, n, axes, scale):
-        """The bound of running statistic `field` (of `dtype`) after the blend of the
-        group `grp` (n values a channel, over `axes`), at its `scale`."""
+    def _stat_bound(self, field, dtype, moments, scale):
+        """The bound of running statistic `field` (of `dtype`) after the blend of a group
+        of these `moments` (tolerances.batch_moments), at its `scale`."""
         if field == "running_mean":
-            return bound("running_stat", dtype, n, compute=self.ctx.dtype)
-        return running_var_bound(dtype, self.ctx.dtype, grp, n, self.a, axes, self.e, scale)
+            return bound("running_stat", dtype, moments.count, compute=self.ctx.dtype)
+        return running_var_bound(dtype, self.ctx.dtype, moments, self.a, scale)
 
     def compare(self, t, fields=FIELDS, rule="per_replica"):
         """Every field of step t against the oracle, replica by replica."""
@@ -212,8 +212,8 @@ class DataParallelRun:
             grp, ggrp = groups[r], ggroups[r]
             axes, bshape = _layout(grp)
             n = grp.size // grp.shape[1]
-            mean, var = grp.mean(axis=axes, keepdims=True), grp.var(axis=axes, keepdims=True)
-            kappa = centring_kappa(grp, axes, e)
+            moments = batch_moments(grp, axes, e)
+            mean, var, kappa = grp.mean(axis=axes, keepdims=True), moments.var, moments.kappa
             inv = 1.0 / np.sqrt(var + e)
             x_hat, grp_hat = (x - mean) * inv, (grp - mean) * inv
             wb, bb = w.reshape(bshape), b.reshape(bshape)
@@ -232,8 +232,7 @@ class DataParallelRun:
             scales["replica_grad_bias"] = (bs, bound("bias_gradient", ctx.dtype, g.size))
             scales["grad_weight"] = (all_ws / self.world, bound("param_gradient", ctx.dtype, total, k))
             scales["grad_bias"] = (all_bs / self.world, bound("bias_gradient", ctx.dtype, total))
-            rm_scale, rv_scale = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], grp, n,
-                                                     a, axes)
+            rm_scale, rv_scale = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], moments, a)
             for f in fields:
                 got = getattr(res, f)[t][r]
                 where = f"[{t}][{r}]"
@@ -251,7 +250,7 @@ class DataParallelRun:
                         explained = [((1 - a) * old + a * var.reshape(-1), "running_var_estimator")]
                     sc = rm_scale if f == "running_mean" else rv_scale
                     ctx.conforms(expected=exp[f][r], actual=got, dtype=got.dtype, scale=sc,
-                                 bound=self._stat_bound(f, got.dtype, grp, n, axes, sc),
+                                 bound=self._stat_bound(f, got.dtype, moments, sc),
                                  quantity=quantity, what=what, call=self.code,
                                  explained=explained)
                 else:
