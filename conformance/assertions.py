@@ -70,7 +70,8 @@ def fmt(v, dtype) -> str:
 
 def _errors(*, expected, actual, dtype, scale, ref=None):
     """(ULP error at `scale`, |actual - ref|, ref, actual as float64), see error_ulps."""
-    ref = round_to(expected, dtype).astype(np.float64) if ref is None else ref
+    # (round_to's answer is a new array: a float64 one is used as it is, not copied again)
+    ref = round_to(expected, dtype).astype(np.float64, copy=False) if ref is None else ref
     got = np.asarray(actual, dtype=np.float64)
     # the spacing at the scale's own shape (one per row or channel), broadcast after
     spacing = ulp(np.asarray(scale, dtype=np.float64), dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import normspec.spec as spec
 import numpy as np
+from normspec.spec._reductions import fast_mean, fast_var
 
 from ..diagnosis import Alternatives
 from ..tolerances import (
@@ -58,7 +59,7 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
         return Alternatives("layer_norm_vjp", lambda fn: fn(x64, shape, g64, w64, b64, e), pick,
                             d)
 
-    r = 1.0 / np.sqrt(x64.var(axis=axes, keepdims=True) + e)
+    r = 1.0 / np.sqrt(fast_var(x64, axes, keepdims=True) + e)
     h = np.abs(g64 * (w64 if w64 is not None else 1.0))
     ctx.oracle(f"expected_grads = spec.layer_norm_vjp(x, {shape!r}, grad, weight, bias, {e!r})",
                f"show(result.grad_input, expected_grads[0], name='grad_input', axes={axes!r})")
@@ -101,7 +102,7 @@ def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None)
     def vjp(pick):
         return Alternatives("rms_norm_vjp", lambda fn: fn(x64, shape, g64, w64, e), pick, d)
 
-    r = 1.0 / np.sqrt((x64 * x64).mean(axis=axes, keepdims=True) + e)
+    r = 1.0 / np.sqrt(fast_mean(x64 * x64, axes, keepdims=True) + e)
     h = np.abs(g64 * (w64 if w64 is not None else 1.0))
     ctx.oracle(f"expected_grads = spec.rms_norm_vjp(x, {shape!r}, grad, weight, {e!r})",
                f"show(result.grad_input, expected_grads[0], name='grad_input', axes={axes!r})")
