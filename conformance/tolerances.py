@@ -46,6 +46,7 @@ report says so.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -182,8 +183,17 @@ _UNIT_ROUNDOFF = {
 }
 
 
+@functools.cache
 def unit_roundoff(dtype) -> float:
+    """u of `dtype` (a name, a type or a NumPy dtype). Cached: every comparison's bound
+    asks it several times, and np_dtype names the dtype, a few microseconds a call."""
     return _UNIT_ROUNDOFF[np_dtype(dtype)]
+
+
+@functools.cache
+def compute_roundoff(dtype) -> float:
+    """u of the precision a conforming kernel computes `dtype` in (compute_dtype)."""
+    return unit_roundoff(compute_dtype(dtype))
 
 
 def bound(quantity: str, dtype, n: int, kappa=1.0, *, compute=None):
@@ -192,9 +202,9 @@ def bound(quantity: str, dtype, n: int, kappa=1.0, *, compute=None):
     own compute dtype (a float32 layer's running statistics reported as float64: judged
     at float64's, they failed by 3e8 ULPs at 0.6 float32 ULP; found by a review)."""
     t = TABLE[quantity]
-    u_c = unit_roundoff(compute_dtype(dtype))
+    u_c = compute_roundoff(dtype)
     if compute is not None:
-        u_c = max(u_c, unit_roundoff(compute_dtype(compute)))
+        u_c = max(u_c, compute_roundoff(compute))
     ratio = u_c / unit_roundoff(dtype)
     # where T is the compute dtype, the last step's rounding is the rounding to T that
     # base_ulps counts (found by a review: counted twice)
@@ -212,7 +222,7 @@ def reported_stats_ulps(dtype, scale, *, mean=None, mean_sens=0.0, var=None, var
     float16 variance of 1e-8 is reported as 0 or 6e-8; found by a review). `mean_sens`
     and `var_sens` are what a unit change of the statistic moves the element by.
     Statistics reported in the compute precision or finer allow nothing."""
-    u_c = unit_roundoff(compute_dtype(dtype))
+    u_c = compute_roundoff(dtype)
     moved = 0.0
     for stat, sens in ((mean, mean_sens), (var, var_sens)):
         if stat is not None and unit_roundoff(stat.dtype) > u_c:
@@ -228,7 +238,7 @@ def constant_row_bound(dtype, n: int, gamma, scale):
     """TABLE["constant_row"] in ULPs of `dtype` at `scale`, per element: the base ULPs plus
     |gamma| (1 + growth (log2 n + 1) u_c) over the spacing of `dtype` at the scale."""
     t = TABLE["constant_row"]
-    x_hat = 1.0 + t.growth * (np.log2(max(n, 1)) + 1.0) * unit_roundoff(compute_dtype(dtype))
+    x_hat = 1.0 + t.growth * (np.log2(max(n, 1)) + 1.0) * compute_roundoff(dtype)
     return t.base_ulps + np.abs(gamma) * x_hat / ulp(scale, np_dtype(dtype))
 
 
