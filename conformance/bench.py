@@ -81,8 +81,6 @@ UNRELIABLE_SPREAD = 0.15
 ATTEMPTS = 3
 #: A kernel "faster" than this many copies of its bytes means the baseline was slowed.
 IMPOSSIBLE_OF_COPY = 2.0
-#: What a bench child's environment adds: nothing (see the module doc).
-CHILD_ENV: dict[str, str] = {}
 
 
 def plan(quick: bool = False, curve: bool = True) -> list[dict]:
@@ -394,7 +392,7 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
     finished = 0  # rows of the measurements whose every round is done
     try:
         for name in backends or registry.default_backends():
-            worker = Worker(name, label, env=CHILD_ENV)
+            worker = Worker(name, label, timing=True)
             worker.start()
             if worker.wait_loaded(120.0):
                 workers.append((worker.entry.get("name", name), worker))

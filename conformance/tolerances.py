@@ -183,14 +183,16 @@ _UNIT_ROUNDOFF = {
 }
 
 
-@functools.cache
+@functools.lru_cache(maxsize=None, typed=True)
 def unit_roundoff(dtype) -> float:
     """u of `dtype` (a name, a type or a NumPy dtype). Cached: every comparison's bound
-    asks it several times, and np_dtype names the dtype, a few microseconds a call."""
+    asks it several times, and np_dtype names the dtype, a few microseconds a call.
+    Keyed by type as well as value: np.float16(1.0) == np.float32(1.0), and np.dtype
+    takes either for its type."""
     return _UNIT_ROUNDOFF[np_dtype(dtype)]
 
 
-@functools.cache
+@functools.lru_cache(maxsize=None, typed=True)
 def compute_roundoff(dtype) -> float:
     """u of the precision a conforming kernel computes `dtype` in (compute_dtype)."""
     return unit_roundoff(compute_dtype(dtype))
@@ -268,7 +270,7 @@ def running_var_kappa(kappa, a, batch_var, scale) -> np.ndarray:
     return np.where(share > 0, k, 1.0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BatchMoments:
     """What the bounds and scales of a BatchNorm step need of its batch, per channel,
     computed once a step: a BatchNorm batch is reduced over its non-contiguous axes, one

@@ -159,26 +159,35 @@ def _die_with_parent() -> None:
 
 #: glibc's mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-#: what a backend process keeps of the memory it frees (see _keep_freed_memory)
-KEPT_FREE_BYTES = 1 << 30
+#: Blocks up to this size come from the heap, not from mappings of their own: the
+#: largest M_MMAP_THRESHOLD that mallopt(3) documents for 64-bit glibc (older glibc
+#: refuses more).
+HEAP_BLOCK_MAX = 32 << 20
+#: Free memory at the heap's top that glibc keeps instead of returning it.
+KEPT_TOP_BYTES = 1 << 30
 
 
-def _keep_freed_memory() -> None:
-    """Have glibc's malloc keep the memory the process frees, up to KEPT_FREE_BYTES, and
-    serve large blocks from it instead of fresh mappings: every check makes temporaries
-    as large as the compared arrays (the oracle, the scales, ulp() and the comparison,
-    a dozen of 4 MB at 131072 x 4), and by default each is a new mapping whose every page
-    faults on first touch (~1.5 us a page in this VM: ulp() of 131072 x 4 took 7 ms,
-    1.0 ms with the pages kept; a backend's in-process run 12-15% sooner). Where memory
-    comes from, not what is computed: no result changes. Not glibc: nothing to do."""
+def _keep_freed_memory() -> bool:
+    """Have glibc's malloc serve blocks up to HEAP_BLOCK_MAX from its heap and keep the
+    memory the process frees there: every check makes temporaries as large as the
+    compared arrays (the oracle, the scales, ulp() and the comparison, a dozen of 4 MB at
+    131072 x 4), and by default each is a new mapping whose every page faults on first
+    touch (~1.5 us a page in this VM: ulp() of 131072 x 4 took 7 ms, 1.0 ms with the
+    pages kept; a backend's in-process run of every check 10-30% sooner). The cost: a
+    process's resident memory stays at its heap's high point (measured: a full run's
+    processes peaked at 2.2 GB in all, as without it). Where memory comes from, not what
+    is computed: no record of a full run changed. Whether it took effect: False where
+    mallopt is missing (not glibc) or refuses the threshold, and then the trim threshold
+    is left alone too (setting it alone would freeze glibc's adaptive mmap threshold at
+    128 KB, every 4 MB temporary a fresh mapping)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, KEPT_FREE_BYTES)
-        libc.mallopt(_M_TRIM_THRESHOLD, KEPT_FREE_BYTES)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_MAX)
+                    and libc.mallopt(_M_TRIM_THRESHOLD, KEPT_TOP_BYTES))
     except Exception:  # noqa: BLE001 - no libc with mallopt: the default allocator
-        pass
+        return False
 
 
 #: set in each backend process before its framework loads, unless the user set them:
@@ -186,15 +195,15 @@ def _keep_freed_memory() -> None:
 #: region, and with two backend processes on two cores each spins on the core the other
 #: needs (measured here: torch's and numba's BatchNorm matrix and B9 checks, 137 s wall
 #: spinning, 17 s passive). Waiting passively changes no result, only who holds a core.
-#: `normspec bench` does not set them (it passes env={}): a benchmark times the runtime
-#: as users run it, one backend process at a time.
+#: `normspec bench` does not set them (Worker(timing=True)): a benchmark times the
+#: runtime as users run it, one backend process at a time.
 CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 
 
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-def _child_main(conn, requested: str, label: str, env: dict | None = None) -> None:
+def _child_main(conn, requested: str, label: str, timing: bool = False) -> None:
     try:
         # a process group of its own, which the parent kills whole (Worker.kill): a
         # process the backend forks would otherwise outlive the run (PR_SET_PDEATHSIG is
@@ -202,11 +211,9 @@ def _child_main(conn, requested: str, label: str, env: dict | None = None) -> No
         os.setpgid(0, 0)
     except OSError:
         pass
-    for key, value in (CHILD_ENV if env is None else env).items():
-        os.environ.setdefault(key, value)
-    if env is None:
-        # a run's or the plugin's worker (`normspec bench` passes its env: it times the
-        # allocator as users have it)
+    if not timing:
+        for key, value in CHILD_ENV.items():
+            os.environ.setdefault(key, value)
         _keep_freed_memory()
     # the parent starts this process as a daemon (so that it never waits for it at
     # exit), which multiprocessing takes to forbid it processes of its own: a backend
@@ -302,10 +309,10 @@ def _signal_name(exitcode: int | None) -> str:
 class Worker:
     """The parent's handle on one backend's child process."""
 
-    def __init__(self, requested: str, label: str, env: dict | None = None):
-        """`env`: the variables the child sets (unless set) before its framework
-        loads; None for CHILD_ENV."""
-        self.requested, self.label, self.env = requested, label, env
+    def __init__(self, requested: str, label: str, *, timing: bool = False):
+        """`timing`: a benchmark's process, its OpenMP wait policy and its allocator left
+        as users have them (a conformance worker sets CHILD_ENV and _keep_freed_memory)."""
+        self.requested, self.label, self.timing = requested, label, timing
         self.proc: Any = None
         self.conn: Any = None
         self._group_killed = False  # (see kill)
@@ -339,7 +346,7 @@ class Worker:
             resource_tracker.ensure_running()
             parent, child = ctx.Pipe()
             self.proc = ctx.Process(target=_child_main,
-                                    args=(child, self.requested, self.label, self.env),
+                                    args=(child, self.requested, self.label, self.timing),
                                     name=f"normspec-{self.requested}", daemon=True)
             self.tag = uuid.uuid4().hex
             # the child starts with the stop signals blocked (the mask survives the spawn)

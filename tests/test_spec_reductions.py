@@ -1,5 +1,6 @@
-"""spec._reductions gives NumPy's own reductions bit for bit (signed zeros, inf and NaN
-included), folded or not: the oracle and the tolerances' scales call them in its place."""
+"""spec._reductions gives NumPy's own reductions bit for bit (signed zeros and inf
+included; a NaN as a NaN), folded or not: the oracle and the tolerances' scales call them
+in its place."""
 
 import numpy as np
 import pytest

@@ -211,9 +211,9 @@ class DataParallelRun:
             x, g = f64(self.xs[t][r]), f64(self.gs[t][r])
             grp, ggrp = groups[r], ggroups[r]
             axes, bshape = _layout(grp)
-            n = grp.size // grp.shape[1]
             moments = batch_moments(grp, axes, e)
-            mean, var, kappa = grp.mean(axis=axes, keepdims=True), moments.var, moments.kappa
+            n, var, kappa = moments.count, moments.var, moments.kappa
+            mean = grp.mean(axis=axes, keepdims=True)
             inv = 1.0 / np.sqrt(var + e)
             x_hat, grp_hat = (x - mean) * inv, (grp - mean) * inv
             wb, bb = w.reshape(bshape), b.reshape(bshape)
