@@ -189,7 +189,8 @@ class _ScriptedWorker:
     script: dict[str, list] = {}
     made: list[_ScriptedWorker] = []
 
-    def __init__(self, name, label, env=None):
+    def __init__(self, name, label, *, timing=False):
+        assert timing  # a bench process leaves the runtime as users have it
         self.name, self.entry, self.error = name, {"name": name}, None
         self.turn = 0
         self.made.append(self)
