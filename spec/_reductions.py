@@ -1,5 +1,5 @@
-"""NumPy's own sum, mean, max and var over trailing axes, the same bits, fast where there
-are many short rows.
+"""NumPy's own sum, mean, max and var over an array's last axis, the same bits, fast where
+there are many short rows.
 
 NumPy reduces a last axis row by row, one call of its inner loop per row:
 over [131072, 4] float64 that costs 13 ns a row for a sum and 35 for a max, 20x and 55x
