@@ -308,6 +308,16 @@ def running_var_bound(dtype, compute, moments: BatchMoments, a, scale) -> np.nda
     return bound("running_stat", dtype, moments.count, kappa, compute=compute)
 
 
+def running_stat_bound(field: str, dtype, compute, moments: BatchMoments, a,
+                       scale) -> np.ndarray | float:
+    """The bound of running statistic `field` ("running_mean" or "running_var") of
+    `dtype` after a blend as running_var_bound's: the mean's at kappa 1, the variance's
+    running_var_bound."""
+    if field == "running_mean":
+        return bound("running_stat", dtype, moments.count, compute=compute)
+    return running_var_bound(dtype, compute, moments, a, scale)
+
+
 def centring_kappa(x64: np.ndarray, axes, eps: float) -> np.ndarray:
     """1 + mean|x| / sqrt(var + eps) over `axes`, keepdims: how much the mean's rounding
     is amplified by centring and dividing by the spread."""

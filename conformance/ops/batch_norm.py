@@ -16,8 +16,8 @@ from ..tolerances import (
     centred_output_scale,
     grad_input_scale,
     reported_stats_ulps,
+    running_stat_bound,
     running_stat_scales,
-    running_var_bound,
     shift_kappa,
 )
 from ._common import Judged, compare_param_grads, f64
@@ -336,9 +336,7 @@ class BatchNormDriver:
                 ("running_mean", rm_ref, self.rm, rm_scale, [], "new_rm", 1),
                 ("running_var", rv_ref, self.rv, rv_scale, biased, "new_rv", 2)):
             ctx.oracle(f"show(layer.{nm}, {var}, name='{nm}')")
-            bd = bound("running_stat", got.dtype, moments.count, compute=ctx.dtype) \
-                if nm == "running_mean" else \
-                running_var_bound(got.dtype, ctx.dtype, moments, a, sc)
+            bd = running_stat_bound(nm, got.dtype, ctx.dtype, moments, a, sc)
             try:
                 ctx.conforms(expected=ref, actual=got, dtype=got.dtype, scale=sc, bound=bd,
                              quantity=f"batch_norm.{nm}", call=code, explained=explained,

@@ -23,8 +23,8 @@ from ..tolerances import (
     centred_output_scale,
     grad_input_scale,
     param_grad_scales,
+    running_stat_bound,
     running_stat_scales,
-    running_var_bound,
 )
 from ..twins import modified, twin
 from ._common import f64
@@ -186,20 +186,14 @@ class DataParallelRun:
             scales = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], moments, self.a)
             for f, sc in zip(("running_mean", "running_var"), scales, strict=True):
                 got = getattr(self.result, f)[t][r]
+                bd = running_stat_bound(f, got.dtype, self.ctx.dtype, moments, self.a, sc)
                 try:
                     assert_conforms(expected=exp[f][r], actual=got, dtype=got.dtype, scale=sc,
-                                    bound=self._stat_bound(f, got.dtype, moments, sc),
+                                    bound=bd,
                                     quantity=f"batch_norm.dp.{f}", call=self.code)
                 except CheckFailure:
                     return False
         return True
-
-    def _stat_bound(self, field, dtype, moments, scale):
-        """The bound of running statistic `field` (of `dtype`) after the blend of a group
-        of these `moments` (tolerances.batch_moments), at its `scale`."""
-        if field == "running_mean":
-            return bound("running_stat", dtype, moments.count, compute=self.ctx.dtype)
-        return running_var_bound(dtype, self.ctx.dtype, moments, self.a, scale)
 
     def compare(self, t, fields=FIELDS, rule="per_replica"):
         """Every field of step t against the oracle, replica by replica."""
@@ -250,7 +244,7 @@ class DataParallelRun:
                         explained = [((1 - a) * old + a * var.reshape(-1), "running_var_estimator")]
                     sc = rm_scale if f == "running_mean" else rv_scale
                     ctx.conforms(expected=exp[f][r], actual=got, dtype=got.dtype, scale=sc,
-                                 bound=self._stat_bound(f, got.dtype, moments, sc),
+                                 bound=running_stat_bound(f, got.dtype, ctx.dtype, moments, a, sc),
                                  quantity=quantity, what=what, call=self.code,
                                  explained=explained)
                 else:
