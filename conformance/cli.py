@@ -1,4 +1,4 @@
-"""The `normspec` command: backends, checks, run, report, bench."""
+"""The `normspec` command: backends, claims, checks, run, report, bench."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ from .diagnosis import summary as diagnosis_summary
 RESULTS_DIR = Path("results")
 REPORTS_DIR = Path("reports")
 LATEST = "latest"
+#: The conventions whose declarations the checks hold a backend to (README.md's table says
+#: by which check): `normspec backends` lists them as verified, the rest as its word.
+VERIFIED_CONVENTIONS = ("running_var_estimator", "eps_zero", "parameter_dtype",
+                        "momentum_held_as", "single_value_batch", "batch_invariant",
+                        "deterministic", "data_parallel_buffers", "sync_batch_norm_refused",
+                        "fused_residual_sum")
+#: The conventions that are the backend's word, shown as given.
+DECLARED_CONVENTIONS = ("default_eps", "native_momentum", "half_compute_dtype")
 
 
 def _print_table(rows: list[list[Any]], out=None) -> None:
@@ -73,13 +81,10 @@ def cmd_backends(args) -> int:
                   f"{caps.get('untracked_stats')}")
             print(f"  data parallel: {', '.join(caps.get('data_parallel', [])) or '-'}")
             print("  conventions (verified):")
-            for key in ("running_var_estimator", "eps_zero", "parameter_dtype",
-                        "single_value_batch", "data_parallel_buffers",
-                        "sync_batch_norm_refused"):
+            for key in VERIFIED_CONVENTIONS:
                 print(f"    {key}: {conv.get(key)}")
             print("  conventions (declared, not verified):")
-            for key in ("default_eps", "native_momentum", "half_compute_dtype",
-                        "batch_invariant", "deterministic"):
+            for key in DECLARED_CONVENTIONS:
                 print(f"    {key}: {conv.get(key)}")
             for key, why in (conv.get("reasons") or {}).items():
                 print(f"    why {key}: {why}")
@@ -729,7 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run the conformance checks, write JSON and HTML")
     r.add_argument("--backend", action="append", metavar="NAME|module:factory",
-                   help="backend to check (repeatable); default: every backend found")
+                   help="backend to check (repeatable); default: every backend found but the "
+                        "opt-in ones (`normspec backends` marks them)")
     r.add_argument("--check", action="append", metavar="ID",
                    help="check id, claim id or claim family (repeatable), e.g. F2, "
                         "B1.layer_norm_shift or DP")
@@ -777,13 +783,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="benchmark every backend against a memory copy")
     be.add_argument("--backend", action="append", metavar="NAME|module:factory",
-                    help="backend to time (repeatable); default: every backend found")
+                    help="backend to time (repeatable); default: every backend found but the "
+                         "opt-in ones (`normspec backends` marks them)")
     be.add_argument("--json", type=_path, default=None, metavar="PATH",
                     help="results path (default: results/<UTC time>-bench.json, a new file "
                          "for every bench); `normspec report` plots it")
     be.add_argument("--quick", action="store_true", help="small shapes only")
     be.add_argument("--no-curve", action="store_true",
-                    help="leave out the cost curve over row widths 64 .. 65536")
+                    help="leave out the cost curve over row widths 64 .. 65536 (64 .. 16384 "
+                         "with --quick)")
     be.set_defaults(fn=cmd_bench)
     return p
 

@@ -165,6 +165,19 @@ def test_backends_command_lists_torch_and_jax_with_versions(capsys):
     assert "running_var_estimator: biased" in out  # Flax's convention, declared
 
 
+def test_backends_command_shows_every_convention_once_verified_or_declared():
+    """(`normspec backends` once listed batch_invariant and deterministic as not verified,
+    which B9 verifies, and left momentum_held_as and fused_residual_sum out: a review)"""
+    from dataclasses import fields
+
+    from normspec.impls.protocol import Conventions
+
+    shown = cli.VERIFIED_CONVENTIONS + cli.DECLARED_CONVENTIONS
+    assert sorted(shown) == sorted(f.name for f in fields(Conventions) if f.name != "reasons")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert all(f"| `{name}`" in readme for name in cli.VERIFIED_CONVENTIONS)
+
+
 def readme_example() -> str:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(# my_backend.py\n.*?)```", text, flags=re.S)
