@@ -176,6 +176,8 @@ def test_backends_command_shows_every_convention_once_verified_or_declared():
     assert sorted(shown) == sorted(f.name for f in fields(Conventions) if f.name != "reasons")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert all(f"| `{name}`" in readme for name in cli.VERIFIED_CONVENTIONS)
+    assert all(f"`{name}`" in readme and f"| `{name}`" not in readme
+               for name in cli.DECLARED_CONVENTIONS)
 
 
 def readme_example() -> str:
