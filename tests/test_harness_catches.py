@@ -522,3 +522,85 @@ def test_a_backward_from_the_output_fails_on_zero_gains(check_id):
               if r.status == "fail"]
     assert [r.case.split(":")[0] for r in failed if r.case.startswith("gamma with zeros")] \
         and any("nan" in r.message for r in failed), [r.message[:120] for r in failed]
+
+
+
+
+def test_one_replicas_copy_of_the_averaged_gradient_off_is_caught():
+    """Local BatchNorm on two replicas, shards of spread 1 and 100, where replica 0's
+    copy of the averaged dL/dgamma is off by a relative 1e-4 (a rank the all-reduce left
+    partly stale). Each replica's copy is judged at the scale of the terms averaged, every
+    replica's normalized by its own statistics. The scale normalized replica 1's shard by
+    replica 0's statistics, 100 times too large: 16 ULPs against a bound of 64, a pass;
+    at the right scale 526 ULPs (found by a review)."""
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops import DataParallelRun
+
+    class OneCopyOff(NumpyBackend):
+        def data_parallel_batch_norm(self, steps, **kwargs):
+            res = super().data_parallel_batch_norm(steps, **kwargs)
+            gw = res.grad_weight[0][0]
+            gw[...] = (gw.astype(np.float64) * (1 + 1e-4)).astype(gw.dtype)
+            return res
+
+    backend = OneCopyOff()
+    ctx = Context(backend_name="t", source="tests", backend=backend, check_id="t",
+                  claim="DP1", op="batch_norm", dtype=np.dtype(np.float32), seed=0,
+                  examples=1, conventions=backend.conventions)
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(16, 3)), 100.0 * rng.normal(size=(16, 3))]
+    gs = [rng.normal(size=(16, 3)) for _ in xs]
+    with ctx.case("local, shards of spread 1 and 100"):
+        run = DataParallelRun(ctx, sync=False, steps=[[Literal.of(x) for x in xs]],
+                              grads=[[Literal.of(g) for g in gs]],
+                              weight=Literal.of(np.ones(3)), bias=Literal.of(np.zeros(3)))
+        run.call()
+        run.compare(0)
+    rec = ctx.records[-1]
+    assert rec.status == "fail" and "grad_weight[0][0]" in rec.message, rec.message
+
+
+def test_a_float32_averaged_gradient_is_judged_at_its_worst_replicas_conditioning():
+    """Local BatchNorm on two replicas, shards of mean 0 and 1000 (spread 1), each
+    replica's dL/dgamma computed in float32 the textbook way (mean, x - mean, x_hat, sum
+    of g x_hat, all float32) and then averaged: a correct float32 backend. Replica 1's
+    term errs by ~1000 u (its centring amplifies the mean's rounding by kappa ~1000), and
+    every replica's copy holds the average, so each copy is judged at the worst kappa of
+    the replicas averaged: at replica 0's own (kappa ~1), its copy fails, 108 ULPs against
+    64. (Before, a scale that normalized replica 1's shard by replica 0's statistics,
+    1000 times too large, hid this; see the test above.)"""
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops import DataParallelRun
+
+    def textbook_dgamma(x, g):
+        m = x.mean(axis=0, dtype=np.float32)
+        v = ((x - m) ** 2).mean(axis=0, dtype=np.float32)
+        return (g * ((x - m) / np.sqrt(v + np.float32(1e-5)))).sum(axis=0, dtype=np.float32)
+
+    class Float32Textbook(NumpyBackend):
+        def data_parallel_batch_norm(self, steps, **kwargs):
+            res = super().data_parallel_batch_norm(steps, **kwargs)
+            grads = kwargs["grad_outputs"][0]
+            mean = sum(textbook_dgamma(x, g) for x, g in zip(steps[0], grads, strict=True))
+            mean = (mean / np.float32(len(grads))).astype(np.float32)
+            for copy in res.grad_weight[0]:
+                copy[...] = mean
+            return res
+
+    backend = Float32Textbook()
+    ctx = Context(backend_name="t", source="tests", backend=backend, check_id="t",
+                  claim="DP1", op="batch_norm", dtype=np.dtype(np.float32), seed=0,
+                  examples=1, conventions=backend.conventions)
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(16, 3)), rng.normal(size=(16, 3)) + 1000.0]
+    gs = [rng.normal(size=(16, 3)) for _ in xs]
+    with ctx.case("local, shard means 0 and 1000"):
+        run = DataParallelRun(ctx, sync=False, steps=[[Literal.of(x) for x in xs]],
+                              grads=[[Literal.of(g) for g in gs]],
+                              weight=Literal.of(np.ones(3)), bias=Literal.of(np.zeros(3)))
+        run.call()
+        run.compare(0, fields=("grad_weight",))
+    rec = ctx.records[-1]
+    assert rec.status == "pass", rec.message

@@ -175,14 +175,24 @@ class DataParallelRun:
         return exp, groups, ggroups
 
     # ------------------------------------------------------------ comparisons
+    def _normalizations(self, groups):
+        """Per replica, what its group (the values its statistics reduce over) normalizes
+        by: (axes, channel shape, BatchMoments, mean, 1/sqrt(var + eps)). Replicas that
+        share one group (sync mode: the global batch) share one computation."""
+        done: dict[int, tuple] = {}
+        for grp in groups:
+            if id(grp) not in done:
+                axes, bshape = _layout(grp)
+                moments = batch_moments(grp, axes, self.e)
+                done[id(grp)] = (axes, bshape, moments, grp.mean(axis=axes, keepdims=True),
+                                 1.0 / np.sqrt(moments.var + self.e))
+        return [done[id(grp)] for grp in groups]
+
     def stats_follow(self, t, rule) -> bool:
         """Whether every replica's running statistics after step t meet the oracle under
         buffer `rule`, by the same bounds as `compare` (nothing is recorded)."""
         exp, groups, _ = self.expected(t, rule)
-        for r in range(self.world):
-            grp = groups[r]
-            axes, _ = _layout(grp)
-            moments = batch_moments(grp, axes, self.e)
+        for r, (_, _, moments, _, _) in enumerate(self._normalizations(groups)):
             scales = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], moments, self.a)
             for f, sc in zip(("running_mean", "running_var"), scales, strict=True):
                 got = getattr(self.result, f)[t][r]
@@ -200,16 +210,24 @@ class DataParallelRun:
         ctx, res = self.ctx, self.result
         exp, groups, ggroups = self.expected(t, rule)
         biased = ctx.convention("running_var_estimator") == "biased"
-        w, b, e, a = np.abs(self.w64), np.abs(self.b64), self.e, self.a
-        for r in range(self.world):
-            x, g = f64(self.xs[t][r]), f64(self.gs[t][r])
+        w, b, a = np.abs(self.w64), np.abs(self.b64), self.a
+        norms = self._normalizations(groups)
+        # each replica's shard normalized by its own group's statistics: the gradients
+        # the all-reduce averages are each replica's own
+        x_hats = [(f64(x) - mean) * inv
+                  for x, (_, _, _, mean, inv) in zip(self.xs[t], norms, strict=True)]
+        axes = norms[0][0]
+        all_ws = sum(param_grad_scales(f64(g), x_hat, axes)[0]
+                     for g, x_hat in zip(self.gs[t], x_hats, strict=True))
+        all_bs = sum(np.abs(f64(g)).sum(axis=axes) for g in self.gs[t])
+        total = sum(g.size for g in self.gs[t])
+        # the all-reduced gradients sum every replica's terms: the worst conditioned counts
+        k_all = max(float(np.max(moments.kappa)) for _, _, moments, _, _ in norms)
+        for r, (axes, bshape, moments, mean, inv) in enumerate(norms):
+            g, x_hat = f64(self.gs[t][r]), x_hats[r]
             grp, ggrp = groups[r], ggroups[r]
-            axes, bshape = _layout(grp)
-            moments = batch_moments(grp, axes, e)
             n, var, kappa = moments.count, moments.var, moments.kappa
-            mean = grp.mean(axis=axes, keepdims=True)
-            inv = 1.0 / np.sqrt(var + e)
-            x_hat, grp_hat = (x - mean) * inv, (grp - mean) * inv
+            grp_hat = (grp - mean) * inv
             wb, bb = w.reshape(bshape), b.reshape(bshape)
             scales = {
                 "output": (centred_output_scale(grp_hat, wb, bb, axes), bound("output", ctx.dtype, n, kappa)),
@@ -217,14 +235,11 @@ class DataParallelRun:
                                bound("gradient", ctx.dtype, n, kappa)),
             }
             ws, bs = param_grad_scales(g, x_hat, axes)
-            all_ws = sum(param_grad_scales(f64(gq), (f64(xq) - mean) * inv, axes)[0]
-                         for gq, xq in zip(self.gs[t], self.xs[t], strict=True))
-            all_bs = sum(np.abs(f64(gq)).sum(axis=axes) for gq in self.gs[t])
-            total = sum(gq.size for gq in self.gs[t])
             k = float(np.max(kappa))
             scales["replica_grad_weight"] = (ws, bound("param_gradient", ctx.dtype, g.size, k))
             scales["replica_grad_bias"] = (bs, bound("bias_gradient", ctx.dtype, g.size))
-            scales["grad_weight"] = (all_ws / self.world, bound("param_gradient", ctx.dtype, total, k))
+            scales["grad_weight"] = (all_ws / self.world,
+                                     bound("param_gradient", ctx.dtype, total, k_all))
             scales["grad_bias"] = (all_bs / self.world, bound("bias_gradient", ctx.dtype, total))
             rm_scale, rv_scale = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], moments, a)
             for f in fields:
