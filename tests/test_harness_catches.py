@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from normspec.conformance import runner
 from normspec.conformance.checks import all_checks
+from normspec.conformance.ops.data_parallel import FIELDS as DP_FIELDS
 from normspec.impls.numpy_ref import NumpyBackend
 from normspec.impls.protocol import DTYPES
 from normspec.impls.registry import LoadedBackend
@@ -524,6 +525,24 @@ def test_a_backward_from_the_output_fails_on_zero_gains(check_id):
         and any("nan" in r.message for r in failed), [r.message[:120] for r in failed]
 
 
+def _local_dp_record(backend, xs, gs, case, fields=DP_FIELDS):
+    """The record of one local data-parallel step of `backend` on float64 shards `xs`
+    with upstream gradients `gs` (one per replica), unit gains, compared in float32."""
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops import DataParallelRun
+
+    ctx = Context(backend_name="t", source="tests", backend=backend, check_id="t",
+                  claim="DP1", op="batch_norm", dtype=np.dtype(np.float32), seed=0,
+                  examples=1, conventions=backend.conventions)
+    c = xs[0].shape[1]
+    with ctx.case(case):
+        run = DataParallelRun(ctx, sync=False, steps=[[Literal.of(x) for x in xs]],
+                              grads=[[Literal.of(g) for g in gs]],
+                              weight=Literal.of(np.ones(c)), bias=Literal.of(np.zeros(c)))
+        run.call()
+        run.compare(0, fields=fields)
+    return ctx.records[-1]
 
 
 def test_one_replicas_copy_of_the_averaged_gradient_off_is_caught():
@@ -533,10 +552,6 @@ def test_one_replicas_copy_of_the_averaged_gradient_off_is_caught():
     replica's normalized by its own statistics. The scale normalized replica 1's shard by
     replica 0's statistics, 100 times too large: 16 ULPs against a bound of 64, a pass;
     at the right scale 526 ULPs (found by a review)."""
-    from normspec.conformance.cases import Literal
-    from normspec.conformance.context import Context
-    from normspec.conformance.ops import DataParallelRun
-
     class OneCopyOff(NumpyBackend):
         def data_parallel_batch_norm(self, steps, **kwargs):
             res = super().data_parallel_batch_norm(steps, **kwargs)
@@ -544,20 +559,10 @@ def test_one_replicas_copy_of_the_averaged_gradient_off_is_caught():
             gw[...] = (gw.astype(np.float64) * (1 + 1e-4)).astype(gw.dtype)
             return res
 
-    backend = OneCopyOff()
-    ctx = Context(backend_name="t", source="tests", backend=backend, check_id="t",
-                  claim="DP1", op="batch_norm", dtype=np.dtype(np.float32), seed=0,
-                  examples=1, conventions=backend.conventions)
     rng = np.random.default_rng(0)
     xs = [rng.normal(size=(16, 3)), 100.0 * rng.normal(size=(16, 3))]
     gs = [rng.normal(size=(16, 3)) for _ in xs]
-    with ctx.case("local, shards of spread 1 and 100"):
-        run = DataParallelRun(ctx, sync=False, steps=[[Literal.of(x) for x in xs]],
-                              grads=[[Literal.of(g) for g in gs]],
-                              weight=Literal.of(np.ones(3)), bias=Literal.of(np.zeros(3)))
-        run.call()
-        run.compare(0)
-    rec = ctx.records[-1]
+    rec = _local_dp_record(OneCopyOff(), xs, gs, "local, shards of spread 1 and 100")
     assert rec.status == "fail" and "grad_weight[0][0]" in rec.message, rec.message
 
 
@@ -570,10 +575,6 @@ def test_a_float32_averaged_gradient_is_judged_at_its_worst_replicas_conditionin
     the replicas averaged: at replica 0's own (kappa ~1), its copy fails, 108 ULPs against
     64. (Before, a scale that normalized replica 1's shard by replica 0's statistics,
     1000 times too large, hid this; see the test above.)"""
-    from normspec.conformance.cases import Literal
-    from normspec.conformance.context import Context
-    from normspec.conformance.ops import DataParallelRun
-
     def textbook_dgamma(x, g):
         m = x.mean(axis=0, dtype=np.float32)
         v = ((x - m) ** 2).mean(axis=0, dtype=np.float32)
@@ -589,18 +590,9 @@ def test_a_float32_averaged_gradient_is_judged_at_its_worst_replicas_conditionin
                 copy[...] = mean
             return res
 
-    backend = Float32Textbook()
-    ctx = Context(backend_name="t", source="tests", backend=backend, check_id="t",
-                  claim="DP1", op="batch_norm", dtype=np.dtype(np.float32), seed=0,
-                  examples=1, conventions=backend.conventions)
     rng = np.random.default_rng(0)
     xs = [rng.normal(size=(16, 3)), rng.normal(size=(16, 3)) + 1000.0]
     gs = [rng.normal(size=(16, 3)) for _ in xs]
-    with ctx.case("local, shard means 0 and 1000"):
-        run = DataParallelRun(ctx, sync=False, steps=[[Literal.of(x) for x in xs]],
-                              grads=[[Literal.of(g) for g in gs]],
-                              weight=Literal.of(np.ones(3)), bias=Literal.of(np.zeros(3)))
-        run.call()
-        run.compare(0, fields=("grad_weight",))
-    rec = ctx.records[-1]
+    rec = _local_dp_record(Float32Textbook(), xs, gs, "local, shard means 0 and 1000",
+                           fields=("grad_weight",))
     assert rec.status == "pass", rec.message
