@@ -27,6 +27,12 @@ time: the machine is shared and noisy, so the bench guards its own numbers:
   says how many it took), the last one kept;
 * so is one above twice the copy's bandwidth (the copy was slowed before and after
   alike, as spinning threads do);
+* a process can also be slowed before, during and after alike: its copy then runs far
+  below the same bytes' copy in the other processes' turns or in another round (seen:
+  1.75 GB/s against 128-195 GB/s, its kernel "96% of copy" where its other rounds
+  measured 40%). A row whose copy ran at less than SLOWED_COPY of the fastest copy of
+  the same bytes in its measurement (every process, every round) is unreliable, and
+  the measurement is taken again in another round (see _flag_slowed);
 * every time is the fastest of its calls, not the median: load only adds time, and on
   a busy machine medians read as whole scheduler slices, kernel and copy alike (a
   [256, 1000] LayerNorm and its copy both "took 12 ms");
@@ -81,6 +87,12 @@ UNRELIABLE_SPREAD = 0.15
 ATTEMPTS = 3
 #: A kernel "faster" than this many copies of its bytes means the baseline was slowed.
 IMPOSSIBLE_OF_COPY = 2.0
+#: A process's copy of a measurement's bytes slower than this fraction of the fastest
+#: copy of the same bytes any process measured for it (any round): that process was
+#: slowed throughout, its copies before and after alike, and its figures are no number.
+SLOWED_COPY = 0.5
+#: How the error of such a row begins (a later round may measure it again).
+SLOWED = "unreliable: this process was slowed throughout"
 
 
 def plan(quick: bool = False, curve: bool = True) -> list[dict]:
@@ -192,14 +204,16 @@ class _Inputs:
 
     def get(self, shape: tuple, dtype: str):
         if self.key != (shape, dtype):
-            self.key, self.copies = (shape, dtype), {}
-            self.x = self.g = None  # freed before the next ones are made
+            # freed before the next ones are made; the key is set once they are (one
+            # that could not be made, a MemoryError, leaves none to be taken for it)
+            self.key, self.copies, self.x, self.g = None, {}, None, None
             dt = dtype_of(dtype)
             rng = np.random.default_rng(0)
             self.x = rng.normal(0.5, 2.0, size=shape).astype(dt)
             # a random upstream gradient: with g = 1, dx is 0 up to rounding, and a row
             # of tiny numbers in float16 (subnormals) would time a slow path instead
             self.g = rng.normal(0.0, 1.0, size=shape).astype(dt)
+            self.key = (shape, dtype)
         return self.x, self.g
 
     def copy(self, nbytes: int):
@@ -223,11 +237,13 @@ def measure_one(backend, name: str, item: dict, repeat: int = 10,
         rec["error"] = f"not timed: {backend.benchmark_skip_reason}"
         return rec
     inputs = inputs or _Inputs()
-    x, g = inputs.get(shape, dtype)
-    g = g if backward else None
-    d = shape[-1]
-    w, b = np.ones(d, x.dtype), (np.zeros(d, x.dtype) if op == "layer_norm" else None)
     try:
+        # inside: inputs that cannot be made (a MemoryError) are this row's error, and
+        # the process goes on to the next measurement
+        x, g = inputs.get(shape, dtype)
+        g = g if backward else None
+        d = shape[-1]
+        w, b = np.ones(d, x.dtype), (np.zeros(d, x.dtype) if op == "layer_norm" else None)
         if item["variant"] == "prepared":
             fn = backend.prepare_benchmark(op, x, (d,), w, b, 1e-5, g)
             if fn is None:
@@ -298,6 +314,32 @@ def compare_to_torch(rows: list[dict]) -> None:
         r["vs_torch"] = r["of_copy"] / t["of_copy"]
 
 
+def _flag_slowed(rounds: list[list[dict]]) -> None:
+    """Mark unreliable the rows of one measurement (its `rounds` of turns) whose copy ran
+    at less than SLOWED_COPY of the fastest copy of the same bytes any process measured
+    in any of them, then compare each round with torch's afresh: a torch row so marked
+    no longer gives a ratio. The fastest copy is the faster of a row's before and after,
+    over every row that has them, reliable or not (a copy that ran fast is evidence of
+    what the machine does, whatever happened after)."""
+    fastest = None
+    for rows in rounds:
+        for r in rows:
+            if r.get("copy_before_gbps"):
+                speed = max(r["copy_before_gbps"], r["copy_after_gbps"])
+                if fastest is None or speed > fastest[0]:
+                    fastest = (speed, r["backend"], r["round"])
+    for rows in rounds:
+        for r in rows:
+            if fastest and r.get("reliable") and r["copy_gbps"] < SLOWED_COPY * fastest[0]:
+                speed, who, round_ = fastest
+                r.update(reliable=False, of_copy=None, error=(
+                    f"{SLOWED}: the copy of the same bytes ran at {r['copy_gbps']:.2f} GB/s in "
+                    f"it, under {SLOWED_COPY:g} of the {speed:.2f} GB/s {who}'s process "
+                    f"measured (round {round_})"))
+            r.update(vs_torch=None, vs_torch_note="")
+        compare_to_torch(rows)
+
+
 def _rank(r: dict) -> int:
     """How much a row of one measurement says, once compared with torch's of its round:
     3 a reliable number with its ratio to torch (or no torch row to compare with), 2 a
@@ -318,17 +360,21 @@ def _kept(rounds: list[list[dict]]) -> list[dict]:
 
 
 def _worth_again(rows: list[dict], running: set[str]) -> str:
-    """Why another round may give `rows` (the kept round of a measurement) a ratio they
-    lack: a reliable row without one, of a backend still running. "" when there is none,
-    and also when: torch has stopped, or its prepared row has no time (no ratio without
-    it, and its failures, unsupported or no prepare_benchmark, repeat), or a stopped
-    backend has a time in `rows` (a later round could only be kept by trading that time
-    away for others', which the bench does not do)."""
+    """Why another round may give `rows` (the kept round of a measurement) what they
+    lack: a number, for a row of a backend still running that was slowed throughout
+    (_flag_slowed); a ratio, for a reliable row without one of a backend still running.
+    "" when there is none, and also when a stopped backend has a time in `rows` (a later
+    round could only be kept by trading that time away for others', which the bench does
+    not do); and for ratios, when torch has stopped or its prepared row has no time (no
+    ratio without it, and its failures, unsupported or no prepare_benchmark, repeat)."""
+    if any(r.get("ms") is not None and r["backend"] not in running for r in rows):
+        return ""
+    for r in rows:
+        if r["error"].startswith(SLOWED) and r["backend"] in running:
+            return f"{r['backend']} {r['variant']} (round {r['round']}): {r['error']}"
     if "torch" not in running or any(
             r.get("ms") is None for r in rows
             if r["backend"] == "torch" and r["variant"] == "prepared"):
-        return ""
-    if any(r.get("ms") is not None and r["backend"] not in running for r in rows):
         return ""
     for r in rows:
         if _rank(r) == 2 and r["backend"] in running:
@@ -425,7 +471,7 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
                         rows.extend(_not_measured(name, group[len(rows) - got:], stopped[w]))
                 rounds.append(rows[start:])
                 del rows[start:]
-                compare_to_torch(rounds[-1])
+                _flag_slowed(rounds)
                 running = {name for w, (name, _) in enumerate(workers) if w not in stopped}
                 why = _worth_again(_kept(rounds), running)
                 if not why or round_ == ROUNDS:

@@ -24,8 +24,19 @@ def _pyplot():
     return plt
 
 
-def _who(b: dict) -> tuple[str, str]:
-    return b["backend"], b.get("variant", "prepared")
+def _who(b: dict, runs: bool = False) -> tuple[str, ...]:
+    """The line or bar series a row belongs to: backend and call, and its run where the
+    figure draws several runs' rows (merged files), so no run's row hides another's."""
+    return (b["backend"], b.get("variant", "prepared")) + ((b.get("run", ""),) if runs else ())
+
+
+def _name(who: tuple[str, ...]) -> str:
+    text = f"{who[0]} {VARIANT_NOTE.get(who[1], who[1])}"
+    return f"{text}, run {who[2]}" if len(who) > 2 else text
+
+
+def _several_runs(rows) -> bool:
+    return len({b.get("run", "") for b in rows}) > 1
 
 
 def _panel_grid(rows):
@@ -46,21 +57,24 @@ def bench_plot(doc, to_svg) -> str | None:
     if not rows:
         return None
     fig, axes, panels = _panel_grid(rows)
-    who = sorted({_who(b) for b in rows})
+    runs = _several_runs(rows)
+    who = sorted({_who(b, runs) for b in rows})
     colours = dict(zip(sorted({w[0] for w in who}), COLOURS, strict=False))
     for ax, (op, pass_) in zip(axes.ravel(), panels, strict=False):
         mine = [b for b in rows if (b["op"], b["pass"]) == (op, pass_)]
         groups = sorted({(str(b["shape"]), b["dtype"]) for b in mine})
         width = 0.8 / max(1, len(who))
-        for j, (name, variant) in enumerate(who):
+        for j, series in enumerate(who):
+            named = False  # the series' first bar in this panel names it in the legend
             for i, g in enumerate(groups):
-                hit = [b for b in mine if _who(b) == (name, variant)
+                hit = [b for b in mine if _who(b, runs) == series
                        and (str(b["shape"]), b["dtype"]) == g]
                 if hit:
                     ax.bar(i + (j - len(who) / 2 + 0.5) * width, 100 * hit[0]["of_copy"], width,
-                           color=colours.get(name, "#555"),
-                           hatch="//" if variant == "protocol" else None, edgecolor="white",
-                           label=f"{name} {VARIANT_NOTE.get(variant, variant)}" if i == 0 else None)
+                           color=colours.get(series[0], "#555"),
+                           hatch="//" if series[1] == "protocol" else None, edgecolor="white",
+                           label=None if named else _name(series))
+                    named = True
         ax.axhline(100, color="#c0392b", lw=1.5, ls="--", label="memory copy")
         ax.set_xticks(range(len(groups)), [f"{sh}\n{dt}" for sh, dt in groups], fontsize=7)
         ax.set_title(f"{op}, {pass_}", fontsize=9)
@@ -81,27 +95,31 @@ def curve_plot(doc, to_svg) -> str | None:
     if not rows:
         return None
     fig, axes, panels = _panel_grid(rows)
-    lines = sorted({(*_who(b), b["series"], b["dtype"]) for b in rows})
-    colours = dict(zip(sorted({w[0] for w in lines}), COLOURS, strict=False))
-    sizes = sorted({s for _, _, s, _ in lines}, key=lambda s: int(s.split()[-1]))
+    runs = _several_runs(rows)
+    lines = sorted({(_who(b, runs), b["series"], b["dtype"]) for b in rows})
+    colours = dict(zip(sorted({w[0][0] for w in lines}), COLOURS, strict=False))
+    sizes = sorted({s for _, s, _ in lines}, key=lambda s: int(s.split()[-1]))
     markers = dict(zip(sizes, "os^Dv", strict=False))
-    widths = sorted({b["shape"][-1] for b in rows})
+    # every width measured, reliably or not: one without a number is a gap, not gone
+    widths = sorted({b["shape"][-1] for b in doc.get("benchmarks", [])
+                     if b.get("series", "table").startswith("curve")})
     handles: dict = {}
     for ax, (op, pass_) in zip(axes.ravel(), panels, strict=False):
-        for name, variant, series, dtype in lines:
-            got = {b["shape"][-1]: 100 * b["of_copy"] for b in rows
-                   if (b["op"], b["pass"]) == (op, pass_) and b["series"] == series
-                   and b["dtype"] == dtype and _who(b) == (name, variant)}
+        for who, series, dtype in lines:
+            got: dict = {}
+            for b in rows:  # the first row of a width, as the bar plot takes
+                if ((b["op"], b["pass"]) == (op, pass_) and b["series"] == series
+                        and b["dtype"] == dtype and _who(b, runs) == who):
+                    got.setdefault(b["shape"][-1], 100 * b["of_copy"])
             if not got:
                 continue
             elements = int(series.split()[-1])
-            label = (f"{name} {VARIANT_NOTE.get(variant, variant)}, "
-                     f"{elements / 2**20:g}M {dtype} values")
+            label = f"{_name(who)}, {elements / 2**20:g}M {dtype} values"
             # a width without a reliable number is a gap in the line, not a straight
             # segment across it
             (line,) = ax.plot(widths, [got.get(w, float("nan")) for w in widths],
-                              color=colours.get(name, "#555"),
-                              ls="--" if variant == "protocol" else "-",
+                              color=colours.get(who[0], "#555"),
+                              ls="--" if who[1] == "protocol" else "-",
                               marker=markers.get(series, "o"), ms=4, lw=1.2)
             handles.setdefault(label, line)
         copy_line = ax.axhline(100, color="#c0392b", lw=1.5, ls=":")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from normspec.conformance import bench, results
-from normspec.reports import html
+from normspec.reports import bench_plots, html
 
 MB = 10**6
 
@@ -154,6 +154,52 @@ def test_report_draws_the_cost_curve_and_says_why_a_row_has_no_number():
     assert "protocol (fresh output)" in page  # the legend says which call is which
 
 
+def test_an_unreliable_row_shows_no_figure_in_the_report():
+    """Its time, GB/s and copies are not shown either, only why it has no number (the
+    table printed them, and "of copy" could be worked out from them: a review)."""
+    shaky = bench.judge(_rec(), [1e-3], [2e-3], [0.123456e-3], 8 * MB)
+    doc = results.new_document() | {"benchmarks": [dict(shaky, run="b")]}
+    page = html.render([doc])
+    assert "0.123" not in page and "64.80" not in page, "a figure of an unreliable row"
+    assert "the machine&#39;s load changed" in page or "the machine's load changed" in page
+
+
+def _bars(rows) -> list[dict]:
+    return [dict(bench.judge(_rec(**kw), [1e-3], [1e-3], [t], 8 * MB), run=run)
+            for kw, t, run in rows]
+
+
+def test_every_series_drawn_is_named_in_the_legend():
+    """numba's protocol call has no reliable bar in the first group ([4, 8]) but one in
+    the second: its hatched bars are named too (only a series with a bar in the first
+    group was: a review)."""
+    rows = _bars([(dict(), 1e-3, "b"), (dict(shape=[8, 8]), 1e-3, "b"),
+                  (dict(shape=[8, 8], variant="protocol"), 2e-3, "b")])
+    rows.append(dict(bench.judge(_rec(variant="protocol"), [1e-3], [2e-3], [2e-3], 8 * MB),
+                     run="b"))
+    fig = _figure(bench_plots.bench_plot, rows)
+    labels = {t.get_text() for ax in fig.axes if ax.get_legend()
+              for t in ax.get_legend().get_texts()}
+    assert {"numba prepared", "numba protocol (fresh output)"} <= labels, labels
+
+
+def test_merged_runs_draw_each_runs_bar_named_by_run():
+    """Two files measuring the same: each run's bar drawn and named (the bar plot drew
+    the first file's and the curve the last's, naming neither: a review)."""
+    rows = _bars([(dict(), 1e-3, "one"), (dict(), 2e-3, "two")])
+    fig = _figure(bench_plots.bench_plot, rows)
+    labels = {t.get_text() for ax in fig.axes if ax.get_legend()
+              for t in ax.get_legend().get_texts()}
+    assert {"numba prepared, run one", "numba prepared, run two"} <= labels, labels
+
+
+def _figure(plot, rows):
+    """The matplotlib figure `plot` draws for these benchmark rows."""
+    figures = []
+    plot(results.new_document() | {"benchmarks": rows}, figures.append)
+    return figures[0]
+
+
 def test_old_benchmark_entries_still_read():
     old = {"backend": "numba", "op": "layer_norm", "dtype": "float32", "shape": [4, 8],
            "pass": "forward", "ms": 1.0, "gbps": 2.0, "copy_gbps": 3.0, "of_copy": 0.66,
@@ -176,6 +222,43 @@ def test_a_moved_baseline_is_measured_again(monkeypatch):
                 pass_="forward", variant="protocol")
     rec = bench.measure_one(registry.load("numpy").backend, "numpy", item)
     assert rec["reliable"] and rec["attempts"] == 2 and rec["error"] == ""
+
+
+def test_inputs_that_cannot_be_made_are_that_rows_error_and_the_next_is_measured(monkeypatch):
+    """A MemoryError making a big item's inputs: that row says so, and the process goes
+    on (it ended the process, and every later row of the backend read "not measured");
+    asked for again, the same inputs are made, not taken as made (found by a review)."""
+    from normspec.impls import registry
+
+    big, small = [512, 512], [4, 8]
+    real = np.random.default_rng
+    fail = [True]
+
+    class Rng:
+        def __init__(self, seed):
+            self.rng = real(seed)
+
+        def normal(self, loc, scale, size):
+            if fail[0] and list(size) == big:
+                raise MemoryError("scripted: no room for the inputs")
+            return self.rng.normal(loc, scale, size)
+
+        def __getattr__(self, name):  # the copy's buffers
+            return getattr(self.rng, name)
+
+    monkeypatch.setattr(bench.np.random, "default_rng", Rng)
+    monkeypatch.setattr(bench, "_time", lambda fn, repeat, budget_s=1.0: [1e-3])
+    backend, inputs = registry.load("numpy").backend, bench._Inputs()
+
+    def measure(shape):
+        item = dict(series="table", op="rms_norm", dtype="float32", shape=shape,
+                    pass_="forward", variant="protocol")
+        return bench.measure_one(backend, "numpy", item, inputs=inputs)
+    rec = measure(big)
+    assert rec["error"] == "MemoryError: scripted: no room for the inputs" and rec["ms"] is None
+    fail[0] = False
+    assert measure(big)["ms"] is not None, "the inputs that failed were taken as made"
+    assert measure(small)["ms"] is not None
 
 
 class _ScriptedWorker:
@@ -316,6 +399,39 @@ def test_a_later_round_that_timed_a_row_the_first_could_not_is_kept(
     assert all(r["round"] == 2 for r in rows), rows
     assert _row(rows, "numba")["ms"] is not None and _row(rows, "other")["ms"] is not None
     assert _row(rows, "numba")["vs_torch"] == (pytest.approx(vs_torch) if vs_torch else None)
+
+
+@pytest.mark.parametrize("script, kept", [
+    # slowed in round 1 only: round 2 measures it at full speed and is kept, with its ratio
+    ({"torch": [10.0, 10.0], "numba": [0.1, 10.0]}, 2),
+    # slowed in every round: no number, however plausible its % of copy
+    ({"torch": [10.0] * bench.ROUNDS, "numba": [0.1] * bench.ROUNDS}, 1),
+    # torch slowed: neither its number nor a ratio to it
+    ({"torch": [0.1] * bench.ROUNDS, "numba": [10.0] * bench.ROUNDS}, 1),
+])
+def test_a_process_slowed_throughout_has_no_number(monkeypatch, script, kept):
+    """A process slowed before, during and after its turn alike: its copies agree, so
+    judge() passes it, but they ran 100 times below the same bytes' copy in the other
+    process's turn (a review saw 1.75 GB/s against 128-195, and "96% of copy" where the
+    process's other rounds measured 40%). That row has no number, and the measurement is
+    taken again; a torch row so slowed gives no ratio."""
+    rows, again, turns = _bench_rounds(monkeypatch, script)
+    slowed = "numba" if script["numba"][0] == 0.1 else "torch"
+    assert turns == {name: len(speeds) for name, speeds in script.items()}
+    assert "slowed throughout" in again[0], again
+    assert all(r["round"] == kept for r in rows), rows
+    row, other = _row(rows, slowed), _row(rows, {"numba": "torch", "torch": "numba"}[slowed])
+    if kept == 2:
+        assert row["reliable"] and row["vs_torch"] == pytest.approx(2.0)
+        return
+    assert not row["reliable"] and row["of_copy"] is None and row["vs_torch"] is None
+    assert row["error"].startswith(bench.SLOWED) and "0.10 GB/s" in row["error"], row["error"]
+    assert f"10.00 GB/s {other['backend']}'s process measured" in row["error"]
+    assert other["reliable"]
+    if slowed == "torch":
+        assert other["vs_torch"] is None and "torch's prepared row has no number" in \
+            other["vs_torch_note"], other
+    assert "slowed throughout" in bench.summary(rows)
 
 
 def test_torch_stopping_in_a_later_round_keeps_the_ratios_of_an_earlier_one(monkeypatch):
