@@ -177,10 +177,19 @@ def judge(rec: dict, before: list[float], after: list[float], kernel: list[float
     return rec
 
 
-def _protocol_callable(backend, op, x, shape, w, b, eps, g):
+def timed_callable(backend, variant: str, op: str, x, w, b, g, eps: float = 1e-5):
+    """(callable, what it is) that a benchmark of `variant` times: "prepared", the
+    backend's prepare_benchmark callable (None where it has none), or "protocol", the
+    protocol call. `b` is LayerNorm's bias (RMSNorm takes none); g None: forward alone."""
+    shape = x.shape[-1:]
+    if variant == "prepared":
+        fn = backend.prepare_benchmark(op, x, shape, w, b, eps, g)
+        return None if fn is None else (fn, "prepare_benchmark callable (the backend's own arrays)")
     if op == "layer_norm":
-        return lambda: backend.layer_norm(x, shape, w, b, eps, g)
-    return lambda: backend.rms_norm(x, shape, w, eps, g)
+        fn = lambda: backend.layer_norm(x, shape, w, b, eps, g)  # noqa: E731
+    else:
+        fn = lambda: backend.rms_norm(x, shape, w, eps, g)  # noqa: E731
+    return fn, "protocol call (fresh outputs, NumPy conversions included)"
 
 
 def _record(name: str, item: dict) -> dict:
@@ -244,15 +253,11 @@ def measure_one(backend, name: str, item: dict, repeat: int = 10,
         g = g if backward else None
         d = shape[-1]
         w, b = np.ones(d, x.dtype), (np.zeros(d, x.dtype) if op == "layer_norm" else None)
-        if item["variant"] == "prepared":
-            fn = backend.prepare_benchmark(op, x, (d,), w, b, 1e-5, g)
-            if fn is None:
-                rec["error"] = "no prepare_benchmark: see its protocol row"
-                return rec
-            rec["timed"] = "prepare_benchmark callable (the backend's own arrays)"
-        else:
-            fn = _protocol_callable(backend, op, x, (d,), w, b, 1e-5, g)
-            rec["timed"] = "protocol call (fresh outputs, NumPy conversions included)"
+        timed = timed_callable(backend, item["variant"], op, x, w, b, g)
+        if timed is None:
+            rec["error"] = "no prepare_benchmark: see its protocol row"
+            return rec
+        fn, rec["timed"] = timed
         moved = x.nbytes * (5 if backward else 2)
         copy = inputs.copy(moved // 2)
         for attempt in range(1, ATTEMPTS + 1):
@@ -422,6 +427,7 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
     rounds of turns (see the module doc), each compared with torch's of its round."""
     from normspec.impls import registry
 
+    from .runner import BackendNotUsable
     from .worker import Worker
 
     doc = results.new_document()
@@ -436,16 +442,26 @@ def run_bench(backends=None, *, quick=False, curve=True, repeat=10, progress=pri
         rows.append(rec)
         progress(_line(rec))
     finished = 0  # rows of the measurements whose every round is done
+    explicit = bool(backends)
     try:
-        for name in backends or registry.default_backends():
+        # a backend asked for twice is timed once (as a run checks it once)
+        for name in list(dict.fromkeys(backends)) if explicit else registry.default_backends():
             worker = Worker(name, label, timing=True)
             worker.start()
-            if worker.wait_loaded(120.0):
-                workers.append((worker.entry.get("name", name), worker))
-            else:
-                unavailable[name] = f"not measured: unavailable: {worker.error}"
-                progress(f"{name}: {unavailable[name]}")
+            loaded = worker.wait_loaded(120.0)
+            called = worker.entry.get("name", name) if loaded else name
+            if loaded and called in (n for n, _ in workers):
                 worker.stop()
+                raise BackendNotUsable(f"two backends asked for call themselves {called!r}; "
+                                       "rows could not be told apart (give one another name)")
+            if loaded:
+                workers.append((called, worker))
+                continue
+            worker.stop()
+            if explicit:  # asked for by name: refused before anything is timed, as run does
+                raise BackendNotUsable(f"backend {name!r} could not be used: {worker.error}")
+            unavailable[name] = f"not measured: unavailable: {worker.error}"
+            progress(f"{name}: {unavailable[name]}")
         stopped: dict[int, str] = {}
         for i, group in enumerate(_groups(items)):
             finished = len(rows)
@@ -520,10 +536,14 @@ def summary(rows: list[dict]) -> str:
             nums = f"{'-':>9} {'-':>8}  {r['error'][:60]}"
         lines.append(f"{r['series']:<12} {str(r['shape']):<14} {r['dtype']:<8} {r['op']:<10} "
                      f"{r['pass']:<16} {who:<16} {nums}")
+    lines.append("% of copy: against the copy of the same bytes in the row's own process; "
+                 "x torch: its % of copy over torch's prepared call's, of the same round")
     return "\n".join(lines)
 
 
 def main(args) -> int:
+    """`normspec bench`; a backend asked for that cannot be used raises
+    runner.BackendNotUsable before anything is timed (the command refuses it)."""
     doc = run_bench(args.backend, quick=args.quick, curve=not args.no_curve)
     path = results.write(doc, args.json)
     stopped = doc["runs"][0].get("stopped_by")

@@ -700,6 +700,8 @@ def cmd_bench(args) -> int:
         args.json = str(RESULTS_DIR / f"{stem}.json")
     try:
         return bench.main(args)
+    except runner.BackendNotUsable as exc:
+        return _refuse(str(exc), "bench")
     finally:
         if stem:
             _release(stem, made)

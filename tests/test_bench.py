@@ -104,16 +104,47 @@ def test_backends_take_turns_and_one_that_dies_loses_no_row():
     results.validate(copy.deepcopy(results.encode(doc)))
 
 
-def test_a_backend_that_cannot_load_has_a_row_for_each_measurement():
+def test_a_default_backend_that_cannot_load_has_a_row_for_each_measurement(monkeypatch):
+    from normspec.impls import registry
+
+    monkeypatch.setattr(registry, "default_backends",
+                        lambda: ["numpy", "no_such_module_here:make_backend"])
     item = dict(series="table", op="rms_norm", dtype="float32", shape=[16, 64],
                 pass_="forward", variant="protocol")
-    doc = bench.run_bench(["numpy", "no_such_module_here:make_backend"], items=[item],
-                          repeat=2, progress=lambda _: None)
+    doc = bench.run_bench(None, items=[item], repeat=2, progress=lambda _: None)
     rows = doc["benchmarks"]
     assert [r["backend"] for r in rows] == ["numpy", "no_such_module_here:make_backend"]
     assert rows[1]["error"].startswith("not measured: unavailable: ")
     assert "no_such_module_here" in rows[1]["error"]
     results.validate(copy.deepcopy(results.encode(doc)))
+
+
+@pytest.mark.parametrize("backends, says", [
+    (["numpy", "no_such_module_here:make_backend"],
+     "backend 'no_such_module_here:make_backend' could not be used"),
+    (["numpy", "normspec.impls.numpy_ref:make_backend"], "call themselves 'numpy'"),
+])
+def test_bench_refuses_a_backend_asked_for_that_cannot_be_used(tmp_path, backends, says):
+    """As `run` does: exit 2, one line, nothing written (bench measured 48 rows of
+    "not measured" and exited 0; two names of one backend gave torch a ratio to itself:
+    a review). A name given twice is timed once."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "b.json"
+    args = [a for name in backends for a in ("--backend", name)]
+    done = subprocess.run([sys.executable, "-m", "normspec.conformance.cli", "bench", "--quick",
+                           "--no-curve", "--json", str(out), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], done.stderr
+    assert not out.exists()
+    item = dict(series="table", op="rms_norm", dtype="float32", shape=[16, 64],
+                pass_="forward", variant="protocol")
+    rows = bench.run_bench(["numpy", "numpy"], items=[item], repeat=2,
+                           progress=lambda _: None)["benchmarks"]
+    assert [r["backend"] for r in rows] == ["numpy"]
 
 
 def test_each_backend_is_timed_in_its_own_process():
