@@ -596,3 +596,90 @@ def test_a_float32_averaged_gradient_is_judged_at_its_worst_replicas_conditionin
     rec = _local_dp_record(Float32Textbook(), xs, gs, "local, shard means 0 and 1000",
                            fields=("grad_weight",))
     assert rec.status == "pass", rec.message
+
+
+class _ParamGradOff(NumpyBackend):
+    """The numpy backend with one parameter gradient of BatchNorm (`bn_field`, channel 0)
+    or LayerNorm (`ln_field`, every element) scaled by 1 + `rel`."""
+
+    def __init__(self, rel, bn_field=None, ln_field=None):
+        super().__init__()
+        self.rel, self.bn_field, self.ln_field = rel, bn_field, ln_field
+
+    def _off(self, res, field, where):
+        v = getattr(res, field).astype(np.float64)
+        v[where] *= 1 + self.rel
+        return res._replace(**{field: v.astype(res.output.dtype)})
+
+    def batch_norm(self, *args, **kwargs):
+        layer = super().batch_norm(*args, **kwargs)
+        forward = layer.forward
+
+        def off(x, grad_output=None):
+            res = forward(x, grad_output)
+            return res if grad_output is None else self._off(res, self.bn_field, 0)
+        layer.forward = off
+        return layer
+
+    def layer_norm(self, x, normalized_shape, weight, bias, eps, grad_output=None):
+        res = super().layer_norm(x, normalized_shape, weight, bias, eps, grad_output)
+        return res if grad_output is None else self._off(res, self.ln_field, Ellipsis)
+
+
+def _bn_grad_record(backend, x, g, mode):
+    """The record of one BatchNorm step of `mode` on float64 x with upstream gradient g,
+    in float32, a fresh layer (running mean 0, variance 1 for eval)."""
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops.batch_norm import BatchNormDriver
+
+    ctx = Context(backend_name="t", source="tests", backend=backend, check_id="t", claim="F1",
+                  op="batch_norm", dtype=np.dtype(np.float32), seed=0, examples=1,
+                  conventions=backend.conventions)
+    with ctx.case(f"{mode}, x {x.shape}"):
+        driver = BatchNormDriver(ctx, x.shape[1], momentum=0.1)
+        if mode == "eval":
+            driver.set_mode(False)
+        driver.step("x", Literal.of(x), mode=mode, grad=Literal.of(g))
+    return ctx.records[-1]
+
+
+def test_batchnorm_dgamma_is_judged_at_its_own_channels_conditioning():
+    """dL/dgamma of channel 0 off by 1e-3 (1005 ULPs) beside a channel of mean 1000: a
+    channel's dL/dgamma sums its own terms only, so its bound has its own kappa (~1.8),
+    not the largest over every channel (~1000: 33,000 ULPs allowed, a pass; a review)."""
+    rng = np.random.default_rng(0)
+    x, g = rng.normal(size=(64, 2)), rng.normal(size=(64, 2))
+    x[:, 1] += 1000.0
+    rec = _bn_grad_record(_ParamGradOff(1e-3, bn_field="grad_weight"), x, g, "train")
+    assert rec.status == "fail" and "grad_weight[0]" in rec.message, rec.message
+
+
+def test_batchnorm_eval_dgamma_counts_the_channels_own_terms():
+    """Eval, 2 samples of 512 channels, dL/dgamma of channel 0 off by 4e-6 (31.5 ULPs):
+    it sums 2 terms normalized by the running statistics (no reduction of x), so n = 2
+    (bound 15.5), not every element of g, 1024 (51.5, a pass; a review)."""
+    rng = np.random.default_rng(1)
+    x, g = rng.normal(size=(2, 512)), rng.normal(size=(2, 512))
+    rec = _bn_grad_record(_ParamGradOff(4e-6, bn_field="grad_weight"), x, g, "eval")
+    assert rec.status == "fail" and "grad_weight[0]" in rec.message, rec.message
+
+
+def test_layernorm_dbeta_counts_the_rows_it_sums():
+    """dL/dbeta of 2 rows of d = 4096 off by 5e-7 relative (~8 ULPs): each element sums 2
+    terms, so n = 2 (bound 3), not every element of g, 8192 (15, a pass; a review)."""
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops.norms import layer_norm_case
+
+    backend = _ParamGradOff(5e-7, ln_field="grad_bias")
+    ctx = Context(backend_name="t", source="tests", backend=backend, check_id="t", claim="F2",
+                  op="layer_norm", dtype=np.dtype(np.float32), seed=0, examples=1,
+                  conventions=backend.conventions)
+    rng = np.random.default_rng(2)
+    with ctx.case("2 rows of d = 4096"):
+        layer_norm_case(ctx, x=Literal.of(rng.normal(size=(2, 4096))), normalized_shape=(4096,),
+                        weight=Literal.of(np.ones(4096)), bias=Literal.of(np.zeros(4096)),
+                        eps=1e-5, grad=Literal.of(rng.normal(size=(2, 4096))))
+    rec = ctx.records[-1]
+    assert rec.status == "fail" and "grad_bias" in rec.message, rec.message

@@ -260,8 +260,9 @@ class BatchNormDriver:
                 return self._reported(
                     w_scale, (r * np.abs(g64)).sum(axis=axes),
                     0.5 * np.abs(g64 * x_hat).sum(axis=axes) / (var + self.e))
+        # n: the values the statistics reduce over (the channel's m; 1 in eval)
         compare_param_grads(ctx, code, f"batch_norm.{phase}", g64, x_hat, axes, gw, gb, res,
-                            kappa, variants=vjp, held=held)
+                            kappa, n, variants=vjp, held=held)
 
     def _reported(self, scale, mean_sens, var_sens):
         """ULPs an eval quantity at `scale` may be off for the running statistics this

@@ -220,9 +220,15 @@ class DataParallelRun:
         all_ws = sum(param_grad_scales(f64(g), x_hat, axes)[0]
                      for g, x_hat in zip(self.gs[t], x_hats, strict=True))
         all_bs = sum(np.abs(f64(g)).sum(axis=axes) for g in self.gs[t])
-        total = sum(g.size for g in self.gs[t])
-        # the all-reduced gradients sum every replica's terms: the worst conditioned counts
-        k_all = max(float(np.max(moments.kappa)) for _, _, moments, _, _ in norms)
+        c = self.w64.shape[0]
+        # per channel, as tolerances' param_gradient counts them (see _common's
+        # compare_param_grads): the terms summed, times the values each term's statistics
+        # reduce over; and the kappa of the statistics, the worst replica's for the
+        # all-reduced gradients, which sum every replica's terms
+        terms = [g.size // c for g in self.gs[t]]
+        all_terms = sum(terms)
+        all_count = max(moments.count for _, _, moments, _, _ in norms)
+        k_all = np.max([moments.kappa.reshape(-1) for _, _, moments, _, _ in norms], axis=0)
         for r, (axes, bshape, moments, mean, inv) in enumerate(norms):
             g, x_hat = f64(self.gs[t][r]), x_hats[r]
             grp, ggrp = groups[r], ggroups[r]
@@ -235,12 +241,14 @@ class DataParallelRun:
                                bound("gradient", ctx.dtype, n, kappa)),
             }
             ws, bs = param_grad_scales(g, x_hat, axes)
-            k = float(np.max(kappa))
-            scales["replica_grad_weight"] = (ws, bound("param_gradient", ctx.dtype, g.size, k))
-            scales["replica_grad_bias"] = (bs, bound("bias_gradient", ctx.dtype, g.size))
+            scales["replica_grad_weight"] = (ws, bound("param_gradient", ctx.dtype,
+                                                       terms[r] * n, kappa.reshape(-1)))
+            scales["replica_grad_bias"] = (bs, bound("bias_gradient", ctx.dtype, terms[r]))
             scales["grad_weight"] = (all_ws / self.world,
-                                     bound("param_gradient", ctx.dtype, total, k_all))
-            scales["grad_bias"] = (all_bs / self.world, bound("bias_gradient", ctx.dtype, total))
+                                     bound("param_gradient", ctx.dtype, all_terms * all_count,
+                                           k_all))
+            scales["grad_bias"] = (all_bs / self.world,
+                                   bound("bias_gradient", ctx.dtype, all_terms))
             rm_scale, rv_scale = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], moments, a)
             for f in fields:
                 got = getattr(res, f)[t][r]

@@ -68,7 +68,7 @@ def layer_norm_case(ctx, *, x, normalized_shape, weight=None, bias=None, eps=1e-
                  bound=bound("gradient", ctx.dtype, d, kappa), quantity="layer_norm.grad_input",
                  call=code, variants=vjp(0))
     compare_param_grads(ctx, code, "layer_norm", g64, x_hat, tuple(range(axes[0])), gw, gb, res,
-                        kappa, variants=vjp)
+                        kappa, d, variants=vjp)
     return res
 
 
@@ -111,4 +111,4 @@ def rms_norm_case(ctx, *, x, normalized_shape, weight=None, eps=1e-6, grad=None)
                  bound=bound("gradient", ctx.dtype, d), quantity="rms_norm.grad_input", call=code,
                  variants=vjp(0))
     compare_param_grads(ctx, code, "rms_norm", g64, x_r, tuple(range(axes[0])), gw, None, res, 1.0,
-                        variants=vjp)
+                        d, variants=vjp)
