@@ -104,7 +104,8 @@ class BackendError(Exception):
 
 def _describe(a) -> str:
     if isinstance(a, np.ndarray):
-        return f"array of shape {a.shape} and dtype {a.dtype}"
+        kind = "array" if type(a) is np.ndarray else f"{type(a).__module__}.{type(a).__name__}"
+        return f"{kind} of shape {a.shape} and dtype {a.dtype}"
     return f"{type(a).__name__} {a!r}"[:200]
 
 
@@ -274,12 +275,15 @@ class Context:
         return rounded
 
     # ---------------------------------------------------------------- calls
-    def call(self, code: str, fn, *args, outputs_like=None, refusable: bool = False,
-             arg_names: tuple[str, ...] = ()):
+    def call(self, code: str, fn, *args, outputs_like=None, bare: bool = False,
+             refusable: bool = False, arg_names: tuple[str, ...] = ()):
         """Call the backend. `code` is the call as the repro writes it; `outputs_like`
-        maps Result field names (or "output" for a bare array) to the (shape, dtype) the
-        protocol requires; `arg_names` names the arguments as `code` does, where their
-        positions there are not fn's (an argument written into is named by them)."""
+        maps Result field names to the (shape, dtype) the protocol requires, or with
+        `bare` (ops that return their output as an array: qk_norm_scores, softcap,
+        forward_no_grad) "output" to the array's; each must be a numpy.ndarray itself, not
+        a subclass (np.matrix broke the checks' own arithmetic: a red team); `arg_names`
+        names the arguments as `code` does, where their positions there are not fn's (an
+        argument written into is named by them)."""
         self.calls.append(code)
         twins = {i: twin(a) for i, a in enumerate(args) if isinstance(a, np.ndarray)}
         # held until the case ends: no two calls of a case get arrays of one id(), which
@@ -302,15 +306,15 @@ class Context:
                 raise Refused(message) from exc
             raise BackendError(f"{code} raised {message}") from exc
         for name, (shape, dtype) in (outputs_like or {}).items():
-            bare = name == "output" and isinstance(out, np.ndarray)
-            if not bare and not hasattr(out, name):
+            if not bare and (isinstance(out, np.ndarray) or not hasattr(out, name)):
                 raise self._breach(f"got {_describe(out)}, with no .{name}, but the protocol "
                                    f"says a Result whose {name} is a NumPy array [{code}]",
                                    _shows_result(code))
             value = out if bare else getattr(out, name)
-            if not isinstance(value, np.ndarray):
-                raise self._breach(f"got {name} = {_describe(value)}, but the protocol says a "
-                                   f"NumPy array [{code}]", _shows_result(code))
+            if type(value) is not np.ndarray:
+                said = "a Result" if bare and hasattr(value, "_fields") else _describe(value)
+                raise self._breach(f"got {name} = {said}, but the protocol says a NumPy array "
+                                   f"(numpy.ndarray) [{code}]", _shows_result(code))
             if value.shape != tuple(shape) or value.dtype != np.dtype(dtype):
                 raise self._breach(
                     f"got {name} of shape {value.shape} and dtype {value.dtype}, but the "

@@ -172,7 +172,7 @@ def _op_runner(ctx, op, d, norm=None):
                     f"{EPS[op]!r}, {scale!r})")
             shape = q.shape[:-1] + (k.shape[-2],)
             return ctx.call(code, ctx.backend.qk_norm_scores, q, k, None, None, EPS[op], scale,
-                            outputs_like={"output": (shape, q.dtype)})
+                            outputs_like={"output": (shape, q.dtype)}, bare=True)
         return run
     names, call = _row_caller(ctx, op, d, norm)
 

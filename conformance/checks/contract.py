@@ -12,13 +12,18 @@ from ..cases import ArraySpec, Literal
 from ..ops import BatchNormDriver, layer_norm_case, qk_scores_case, rms_norm_case
 from . import check
 
+#: the ops the protocol checks drive, one case each: a backend offering none of them (a
+#: softcap or fused_add_norm alone) has these checks recorded unsupported, not run empty
+#: (found by a red team: a correct BatchNorm-only backend failed with "no result")
+PROTOCOL_OPS = ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm")
+
 
 @check("protocol.shape_dtype_inputs", title="Every op returns arrays of the input's shape and dtype "
-       "and leaves its inputs alone", ops=())
+       "and leaves its inputs alone", ops=PROTOCOL_OPS)
 def shapes(ctx):
     x = ArraySpec((2, 3, 10), ctx.seed, 1.0, 2.0)
     grad = ArraySpec((2, 3, 10), 3)
-    for op in ("layer_norm", "rms_norm", "qk_norm_scores", "batch_norm"):
+    for op in PROTOCOL_OPS:
         if op not in ctx.backend.capabilities.ops:
             continue
         with ctx.case(op, op=op):
@@ -65,7 +70,8 @@ def momentum(ctx):
                      call="layer.forward(x)")
 
 
-@check("protocol.eps_zero", title="eps = 0 is accepted or refused as the backend declares", ops=())
+@check("protocol.eps_zero", title="eps = 0 is accepted or refused as the backend declares",
+       ops=PROTOCOL_OPS)
 def eps_zero(ctx):
     declared = dict(getattr(ctx.conventions, "eps_zero", {}) or {})
     x = Literal(values=((1.0, 3.0, 2.0), (0.5, -1.0, 4.0)))
@@ -99,7 +105,7 @@ def eps_zero(ctx):
 
 @check("protocol.parameter_dtype", title="eps is held in the precision the backend declares "
        "(parameter_dtype): float64 rows where float32(eps) moves the output by 1e6 ULPs",
-       ops=(), dtypes=("float64",))
+       ops=("layer_norm", "rms_norm"), dtypes=("float64",))
 def parameter_dtype(ctx):
     declared = ctx.convention("parameter_dtype") or "float64"
     # var = 1e-5 = eps: the output's relative change from float32(eps) is about 1e-9
@@ -112,12 +118,14 @@ def parameter_dtype(ctx):
             eps = 1e-5
             if op == "layer_norm":
                 code = f"result = backend.layer_norm(x, (2,), None, None, {eps!r})"
-                got = ctx.call(code, ctx.backend.layer_norm, xa, (2,), None, None, eps).output
+                got = ctx.call(code, ctx.backend.layer_norm, xa, (2,), None, None, eps,
+                               outputs_like={"output": (xa.shape, xa.dtype)}).output
                 at = {p: spec.layer_norm(xa, (2,), eps=float(spec.round_to(eps, p)))
                       for p in ("float32", "float64")}
             else:
                 code = f"result = backend.rms_norm(x, (2,), None, {eps!r})"
-                got = ctx.call(code, ctx.backend.rms_norm, xa, (2,), None, eps).output
+                got = ctx.call(code, ctx.backend.rms_norm, xa, (2,), None, eps,
+                               outputs_like={"output": (xa.shape, xa.dtype)}).output
                 at = {p: spec.rms_norm(xa, (2,), eps=float(spec.round_to(eps, p)))
                       for p in ("float32", "float64")}
             errors = {p: float(np.max(np.abs(got - ref) / np.abs(ref).max())) for p, ref in at.items()}

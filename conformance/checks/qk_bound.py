@@ -139,7 +139,7 @@ def softcap(ctx):
             scores = ctx.use(scores=Literal.of(values))
             code = f"capped = backend.softcap(scores, {cap!r})"
             got = ctx.call(code, ctx.backend.softcap, scores, cap,
-                           outputs_like={"output": (scores.shape, scores.dtype)})
+                           outputs_like={"output": (scores.shape, scores.dtype)}, bare=True)
             expected = spec.softcap(scores.astype(np.float64), cap)
             ctx.oracle(f"show(capped, spec.softcap(scores, {cap!r}), name='capped')")
             ctx.conforms(expected=expected, actual=got, scale=cap,

@@ -134,7 +134,8 @@ class BatchNormDriver:
         if mode == "no_grad":
             code = f"out = layer.forward_no_grad({name})"
             out = ctx.call(code, self.layer.forward_no_grad, xa,
-                           outputs_like={"output": (xa.shape, xa.dtype)}, refusable=refusable)
+                           outputs_like={"output": (xa.shape, xa.dtype)}, bare=True,
+                           refusable=refusable)
             res, got_name = None, "out"
         else:
             code = f"result = layer.forward({name}" + \

@@ -18,7 +18,7 @@ def qk_scores_case(ctx, *, q, k, q_weight=None, k_weight=None, eps=1e-6, scale=N
     code = f"scores = backend.qk_norm_scores(q, k, q_weight, k_weight, {eps!r}, {s!r})"
     out_shape = qa.shape[:-1] + (ka.shape[-2],)
     got = ctx.call(code, ctx.backend.qk_norm_scores, qa, ka, qw, kw, eps, s,
-                   outputs_like={"output": (out_shape, qa.dtype)},
+                   outputs_like={"output": (out_shape, qa.dtype)}, bare=True,
                    refusable=eps == 0 and not ctx.accepts_eps_zero("qk_norm_scores"))
     e = ctx.effective(eps, "eps")
     q64, k64 = f64(qa), f64(ka)
