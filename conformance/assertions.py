@@ -61,11 +61,16 @@ class Measure:
 
 
 def fmt(v, dtype) -> str:
-    """`v` as the shortest text that reads back as the same value of `dtype`."""
+    """`v` as the shortest text that reads back as the same value of `dtype` (NumPy's
+    own rule, whatever print options a backend set: legacy="1.13" printed float32 with 8
+    digits, and values an ULP apart read alike: a red team)."""
     v = float(v)
     if not np.isfinite(v):
         return str(v)
-    return str(np.dtype(dtype).type(v))
+    if np.get_printoptions()["legacy"] is False:
+        return str(np.dtype(dtype).type(v))
+    with np.printoptions(legacy=False):
+        return str(np.dtype(dtype).type(v))
 
 
 def _errors(*, expected, actual, dtype, scale, ref=None):

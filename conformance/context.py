@@ -208,7 +208,8 @@ class Context:
     on_record: Callable[[Record], None] | None = None
     calls: list[str] = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
-    #: the copies of its inputs each backend call of the case got (see call)
+    #: (call, fn, argument names, the originals, their twins) of each backend call of the
+    #: case (see call): the twins are held until the case ends, and checked again then
     held: list = field(default_factory=list)
     measure: Measure = field(default_factory=Measure)
     notes: list[str] = field(default_factory=list)
@@ -289,9 +290,13 @@ class Context:
         # held until the case ends: no two calls of a case get arrays of one id(), which
         # a backend caching its results by id() would take for the same input (found by
         # a review: B9.deterministic then compared a cached answer with itself)
-        self.held.append(twins)
+        self.held.append((code, fn, arg_names, args, twins))
         try:
-            out = fn(*(twins[i][0] if i in twins else a for i, a in enumerate(args)))
+            # NumPy's error handling and print options as they were: a backend's np.seterr
+            # made the harness's own arithmetic raise in later cases, and its print options
+            # the records' numbers (found by a red team)
+            with np.errstate(), np.printoptions():
+                out = fn(*(twins[i][0] if i in twins else a for i, a in enumerate(args)))
         except NotImplementedError as exc:
             said = exception_text(exc, with_type=False)
             raise Unsupported(f"{code}: not implemented ({said})" if said else
@@ -322,16 +327,31 @@ class Context:
                     _shows_result(code))
         owned = _owned(out)
         # after all the backend's code the call runs (its result's attributes too)
+        self._inputs_untouched(self.held[-1])
+        return owned
+
+    def _inputs_untouched(self, held, later: bool = False) -> None:
+        """Raise the protocol failure of a call (one entry of `held`) whose inputs' twins
+        the backend wrote into; `later`: found after the call had returned."""
+        code, fn, arg_names, args, twins = held
         for i, made in twins.items():
             how = modified(args[i], *made)
             if how:
                 what = arg_names[i] if i < len(arg_names) else _parameter(fn, i)
                 where = ("modified in place" if how == "elements" else
                          "'s memory written outside its elements (through wrong strides?)")
-                raise self._breach(f"got {what}{' ' if how == 'elements' else ''}{where}, but "
-                                   f"the spec says inputs are never modified [{code}]",
+                when = " after the call had returned" if later else ""
+                raise self._breach(f"got {what}{' ' if how == 'elements' else ''}{where}{when}, "
+                                   f"but the spec says inputs are never modified [{code}]",
                                    self._shows_inputs())
-        return owned
+
+    def _inputs_untouched_since(self) -> None:
+        """Every call of the case (or of a drawn example) checked again at its end: a
+        backend that keeps an input and writes into it later, at another call (found by a
+        red team: x zeroed at the next call, a BatchNorm layer zeroing the weight it was
+        built with at every forward, all passed), corrupts its callers' arrays as surely."""
+        for held in self.held:
+            self._inputs_untouched(held, later=True)
 
     def _breach(self, message: str, shows: str) -> CheckFailure:
         """The failure of a call that broke its contract (quantity "protocol"), and the
@@ -452,6 +472,7 @@ class Context:
         protocol = False
         try:
             yield measure
+            self._inputs_untouched_since()
             message = self.said
             if self.explained:
                 status, message = "deviation", self.explained[0][0]
@@ -513,7 +534,12 @@ class Context:
     def explore(self, name: str, strategy, body, *, op: str | None = None):
         """A Hypothesis-driven case: `body(example)` runs for each drawn example (seeded
         with the run's seed, so a failure replays); the failing example is what the
-        record shows."""
+        record shows. An example the backend does not offer (Unsupported: declared, or
+        NotImplementedError) is one example, not the case: the others still run (one
+        NotImplementedError ended the case as unsupported, and a backend wrong on every
+        other example passed: a red team). The case is unsupported only when no example
+        ran; otherwise the record notes how many did not."""
+        tried, unsupported = [0], []
         with self.case(f"{name} (hypothesis, {self.examples} examples, seed {self.seed})",
                        op=op):
 
@@ -524,7 +550,18 @@ class Context:
             @given(strategy)
             def run(example):
                 self.calls, self.inputs, self.held = [], {}, []
-                body(example)
+                tried[0] += 1
+                try:
+                    body(example)
+                except Unsupported as exc:
+                    unsupported.append(str(exc))
+                    return
+                self._inputs_untouched_since()
 
             with seed_only_draws():
                 run()
+            if unsupported and len(unsupported) == tried[0]:
+                raise Unsupported(unsupported[0])
+            if unsupported:
+                self.notes.append(f"{len(unsupported)} of {tried[0]} drawn examples "
+                                  f"unsupported (the first: {unsupported[0]})"[:400])

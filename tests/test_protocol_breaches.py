@@ -14,6 +14,7 @@ from normspec.conformance.checks import all_checks
 from normspec.impls.numpy_ref import NumpyBackend
 from normspec.impls.protocol import Capabilities, Result
 from normspec.impls.registry import LoadedBackend
+from oracle_backend import OracleBackend
 
 CHECKS = {c.id: c for c in all_checks()}
 
@@ -103,3 +104,144 @@ def test_an_op_returning_the_wrong_kind_is_a_protocol_failure(backend, check_id,
         [(r.status, r.message[:120]) for r in records]
     assert all(r.quantity == "protocol" for r in failed), [r.quantity for r in failed]
     assert any(says in r.message for r in failed), failed[0].message
+
+
+class WrongWhereOffered(NumpyBackend):
+    """LayerNorm refuses rows of one element (NotImplementedError) and is 1% off on every
+    other row."""
+
+    def layer_norm(self, x, *args, **kwargs):
+        if x.shape[-1] == 1:
+            raise NotImplementedError("rows of one element")
+        res = super().layer_norm(x, *args, **kwargs)
+        return res._replace(output=(res.output.astype(np.float64) * 1.01).astype(x.dtype))
+
+
+def test_one_unsupported_example_does_not_hide_the_case():
+    """Found by a red team: the first drawn example's NotImplementedError ended the
+    Hypothesis case, recorded unsupported, and the backend, wrong on every other example,
+    passed. Now only that example is unsupported: the case fails, and a case whose
+    examples all run says nothing of the kind."""
+    records = run(WrongWhereOffered(), "F2.values", "float32")
+    drawn = [r for r in records if "hypothesis" in r.case]
+    assert any(r.status == "fail" for r in drawn), [(r.status, r.message[:100]) for r in drawn]
+    assert all(r.status != "unsupported" for r in drawn), [(r.status, r.note) for r in drawn]
+    noted = [r for r in run(NumpyBackend(), "F2.values", "float32") if "hypothesis" in r.case]
+    assert noted and all("unsupported" not in r.note for r in noted)
+
+
+class RewritesItsParams(OracleBackend):
+    """An encoder layer computed with norm1's gain doubled, which then writes the doubled
+    gain into the params dict it was handed (new arrays: no array is written into)."""
+
+    def encoder_layer(self, x, params, *args, **kwargs):
+        doubled = dict(params, **{"norm1.weight": params["norm1.weight"] * 2})
+        params.update(doubled)
+        return super().encoder_layer(x, doubled, *args, **kwargs)
+
+
+class KeepsAndZeroesX(NumpyBackend):
+    """LayerNorm keeps each x it is given and zeroes the last one at its next call."""
+
+    kept = None
+
+    def layer_norm(self, x, *args, **kwargs):
+        if self.kept is not None:
+            self.kept[...] = 0
+        self.kept = x
+        return super().layer_norm(x, *args, **kwargs)
+
+
+class ZeroesItsWeight(NumpyBackend):
+    """A BatchNorm layer that computes with its own copy of weight and zeroes the array it
+    was built with at every forward."""
+
+    def batch_norm(self, num_features, **kwargs):
+        given = kwargs.get("weight")
+        kwargs["weight"] = None if given is None else given.copy()
+        layer = super().batch_norm(num_features, **kwargs)
+        forward = layer.forward
+
+        def zeroing(*args, **kw):
+            if given is not None:
+                given[...] = 0
+            return forward(*args, **kw)
+        layer.forward = zeroing
+        return layer
+
+
+@pytest.mark.parametrize("backend, check_id, says", [
+    (RewritesItsParams(), "F8.post_ln", None),
+    (KeepsAndZeroesX(), "B9.layer_norm", "after the call had returned"),
+    (ZeroesItsWeight(), "F1.values", "weight modified in place after the call had returned"),
+])
+def test_inputs_written_into_later_or_through_a_dict_are_caught(backend, check_id, says):
+    """Found by a red team, all passed: an encoder layer rewriting the params dict it was
+    handed (the oracle read that dict after the call, and computed the backend's wrong
+    answer); a LayerNorm zeroing the x of its last call at the next one; a BatchNorm
+    layer zeroing, at every forward, the weight it was built with."""
+    records = run(backend, check_id, "float32")
+    failed = [r for r in records if r.status == "fail"]
+    assert failed, [(r.status, r.message[:100]) for r in records]
+    if says:
+        assert all(r.quantity == "protocol" for r in failed)
+        assert any(says in r.message for r in failed), failed[0].message
+
+
+def test_an_input_written_into_by_fused_add_norm_is_named():
+    """A fused_add_norm writing into its upstream gradients: the failure names the
+    argument as the call writes it (it said "argument 5")."""
+    class WritesGradResidual(NumpyBackend):
+        def fused_add_norm(self, x, residual, *args, grad_outputs=None, **kwargs):
+            res = super().fused_add_norm(x, residual, *args, grad_outputs=grad_outputs, **kwargs)
+            if grad_outputs is not None:
+                grad_outputs[1][...] = 0
+            return res
+
+    records = run(WritesGradResidual(), "F8.fused_add_layer_norm", "float32")
+    failed = [r for r in records if r.status == "fail"]
+    assert failed and all("got grad_residual modified in place" in r.message for r in failed), \
+        [r.message[:100] for r in records]
+
+
+class SetsNumpysState(NumpyBackend):
+    """LayerNorm sets NumPy to raise on every floating-point error and to print as 1.13
+    did, and leaves it so."""
+
+    def layer_norm(self, *args, **kwargs):
+        np.seterr(all="raise")
+        np.set_printoptions(legacy="1.13")
+        return super().layer_norm(*args, **kwargs)
+
+
+@pytest.fixture
+def numpy_state():
+    err, opts = np.geterr(), np.get_printoptions()
+    yield
+    np.seterr(**err)
+    np.set_printoptions(**opts)
+
+
+def test_numpys_state_set_by_a_backend_stays_the_backends(numpy_state):
+    """Found by a red team: a backend's np.seterr(all="raise") made the harness's own
+    arithmetic raise FloatingPointError in later cases (RMSNorm's too, which the backend
+    never touched), recorded as errors naming neither; its print options cut float32
+    numbers in messages to 8 digits."""
+    err, opts = np.geterr(), np.get_printoptions()
+    records = run(SetsNumpysState(), "F2/F3.ranks", "float16")
+    # its own LayerNorm may raise (its setting, its finding); nothing else may
+    theirs = [r for r in records if r.status == "error"
+              and not r.message.startswith("result = backend.layer_norm(")]
+    assert not theirs, [r.message[:120] for r in theirs]
+    assert any(r.op == "rms_norm" or "rms_norm" in r.case for r in records)
+    assert (np.geterr(), np.get_printoptions()) == (err, opts)
+
+
+def test_messages_print_shortest_round_trip_numbers_whatever_the_print_options():
+    """A backend that set legacy="1.13" at import made every float32 in messages 8
+    digits long: values an ULP apart read alike ("got 1.0, but the spec says 1.0")."""
+    from normspec.conformance.assertions import fmt
+
+    with np.printoptions(legacy="1.13"):
+        assert fmt(9.3616705, "float32") == "9.3616705"
+        assert fmt(1.0000001, "float32") != fmt(1.0, "float32")

@@ -67,14 +67,22 @@ def encoder_layer_case(ctx, *, seed, norm_first, activation="relu", num_heads=4,
     like = {"output": (xa.shape, xa.dtype)}
     if gradient:
         like["grad_input"] = (xa.shape, xa.dtype)
-    def run(x_in, *weights):
-        return ctx.backend.encoder_layer(x_in, params, num_heads, norm_first=norm_first,
+    def run(x_in, *arrays):
+        # the backend gets the twins call() made, in dicts of its own: the oracle reads
+        # `params` after the call, and a backend that rewrote the dict it was handed made
+        # the oracle compute its own wrong answer (found by a red team)
+        handed = iter(arrays)
+        p = {k: next(handed) for k in params}
+        f = None if fn is None else {k: next(handed) for k in fn}
+        return ctx.backend.encoder_layer(x_in, p, num_heads, norm_first=norm_first,
                                          activation=activation, eps=eps, num_layers=num_layers,
-                                         final_norm=fn, grad_output=g)
+                                         final_norm=f, grad_output=next(handed, None))
 
-    # the arrays go through call() so that one written in place is caught
+    # the arrays go through call() so that one written in place is caught, by its name
+    names = ("x", *(f"params[{k!r}]" for k in params),
+             *(f"final_norm[{k!r}]" for k in (fn or {})), *(() if g is None else ("grad",)))
     res = ctx.call(code, run, xa, *params.values(), *(fn or {}).values(),
-                   *([] if g is None else [g]), outputs_like=like)
+                   *([] if g is None else [g]), outputs_like=like, arg_names=names)
     e = ctx.effective(eps, "eps")
     x64 = f64(xa)
     p64 = {k: f64(v) for k, v in params.items()}

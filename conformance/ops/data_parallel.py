@@ -70,8 +70,8 @@ class DataParallelRun:
         ctx = self.ctx
         # the backend gets twins of every array (see twins.twin): the oracle reads
         # the originals, and a write into any of them, gamma and beta too, is seen
-        twins = {id(a): twin(a) for a in (*(a for row in self.xs + self.gs for a in row),
-                                           self.w, self.b) if isinstance(a, np.ndarray)}
+        arrays = [*(a for row in self.xs + self.gs for a in row), self.w, self.b]
+        twins = {id(a): twin(a) for a in arrays if isinstance(a, np.ndarray)}
 
         def handed(a):
             return twins[id(a)][0] if id(a) in twins else a
@@ -82,6 +82,10 @@ class DataParallelRun:
             rows(self.xs), sync=self.sync, eps=self.eps, momentum=self.momentum,
             dtype=ctx.dtype, weight=handed(self.w), bias=handed(self.b),
             grad_outputs=rows(self.gs)), refusable=refusable)
+        # held by the case like any call's, and checked again when it ends
+        names = (*(n for row in self.x_names + self.g_names for n in row), "weight", "bias")
+        ctx.held.append((self.code, None, names, arrays,
+                         {i: twins[id(a)] for i, a in enumerate(arrays) if id(a) in twins}))
         for name, arrays in (("an input shard", [a for row in self.xs for a in row]),
                              ("a gradient shard", [a for row in self.gs for a in row]),
                              ("weight", [self.w]), ("bias", [self.b])):

@@ -77,13 +77,19 @@ def fused_add_norm_case(ctx, *, norm, x, residual, normalized_shape, weight=None
         if b is not None:
             like["grad_bias"] = (shape, xa.dtype)
 
-    def run(x_in, r_in, *_):
-        return ctx.backend.fused_add_norm(x_in, r_in, norm, shape, w, b, eps,
-                                          grad_outputs=(gy, gr) if grads else None)
+    given = {k: a for k, a in (("weight", w), ("bias", b), ("grad_output", gy),
+                                ("grad_residual", gr)) if a is not None}
 
-    # every array goes through call() so that one written in place is caught
-    res = ctx.call(code, run, xa, ra, *[a for a in (w, b, gy, gr) if a is not None],
-                   outputs_like=like)
+    def run(x_in, r_in, *arrays):
+        # the twins call() made, never the originals the oracle reads
+        a = dict(zip(given, arrays, strict=True))
+        return ctx.backend.fused_add_norm(
+            x_in, r_in, norm, shape, a.get("weight"), a.get("bias"), eps,
+            grad_outputs=(a["grad_output"], a["grad_residual"]) if grads else None)
+
+    # every array goes through call() so that one written in place is caught, by its name
+    res = ctx.call(code, run, xa, ra, *given.values(), outputs_like=like,
+                   arg_names=("x", "residual", *given))
     contract, e, dt = contract_of(ctx), ctx.effective(eps, "eps"), ctx.dtype
     x64, r64, w64, b64 = f64(xa), f64(ra), f64(w), f64(b)
     axes = tuple(range(x64.ndim - len(shape), x64.ndim))
