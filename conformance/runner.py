@@ -228,6 +228,8 @@ class _Run:
         self.finished: dict[str, int] = {}
         self.extra: list[Worker] = []  # second processes of shared backends
         self.unshareable: set[str] = set()
+        #: per backend name: the processes a slot is driving now (see drive)
+        self.driving: dict[str, list[Worker]] = collections.defaultdict(list)
 
     def _keep(self, unit, rec: dict) -> None:
         rec["run"] = self.label
@@ -334,11 +336,30 @@ class _Run:
                     worker.stop()
 
     def drive(self, worker: Worker, name: str) -> None:
-        """The backend's units, one at a time, in `worker`'s process, until none is left."""
+        """The backend's units, one at a time, in `worker`'s process, until none is left.
+        A worker that gave up starting its process again (Worker.given_up) leaves the
+        units to another process of the backend that a slot drives and that has not
+        given up, if there is one (it leaves drive only when no unit is left, so none
+        goes without a record); else it records each unit left at once. The backend gets
+        no further process (unshareable)."""
+        with self.lock:
+            self.driving[name].append(worker)
+        try:
+            self._drive(worker, name)
+        finally:
+            with self.lock:
+                self.driving[name].remove(worker)
+
+    def _drive(self, worker: Worker, name: str) -> None:
+        """drive's loop, while `worker` is listed in `driving`."""
         while not self.stopping.is_set():
             with self.lock:
                 if not self.pending[name]:
                     return
+                if worker.given_up:
+                    self.unshareable.add(name)
+                    if any(not w.given_up for w in self.driving[name] if w is not worker):
+                        return
                 unit = self.pending[name].popleft()
             _, check_id, dtype = unit
             t0 = time.perf_counter()

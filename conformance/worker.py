@@ -16,10 +16,12 @@ unit), so each backend is timed in a process of its own, with nothing else loade
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -203,7 +205,60 @@ CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
+class _DroppingWriter(io.RawIOBase):
+    """A file descriptor written to until a write to it fails (its reader is gone:
+    EPIPE; or it was never open: EBADF); from then on what is written is dropped, and
+    the writer still says it wrote it. A backend's print is never a finding."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd = fd
+        self.dropping = False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        while len(view) and not self.dropping:
+            try:
+                view = view[os.write(self._fd, view):]
+            except OSError:
+                self.dropping = True
+        return size
+
+
+def _backend_output_to_stderr() -> None:
+    """Send everything the child prints to the run's stderr, and drop it once stderr
+    cannot take it: the child reports on its own pipe, never on stdout, and stdout is
+    the user's (`normspec run | head -1`): a backend that printed inside an op, into a
+    pipe its reader had closed, had every record of its checks an error "raised
+    BrokenPipeError" (all 24 records of F2.values, `| head -1`). File descriptor 1 becomes a copy of 2,
+    so a C library's printf goes there too (a write into a closed pipe fails quietly:
+    Python ignores SIGPIPE); sys.stdout and sys.stderr become one stream on fd 2 that
+    drops what it cannot write, so that a stderr closed as well (`2>&1 | head -1`)
+    costs nothing either. Called before the backend is imported."""
+    try:
+        os.dup2(2, 1)
+    except OSError:  # no stderr at all: what is written to fd 1 goes nowhere
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.close(null)
+        except OSError:
+            pass
+    encoding = getattr(sys.__stderr__, "encoding", None) or "utf-8"
+    stream = io.TextIOWrapper(io.BufferedWriter(_DroppingWriter(2)), encoding=encoding,
+                              errors="backslashreplace", line_buffering=True)
+    sys.stdout = sys.stderr = stream
+
+
 def _child_main(conn, requested: str, label: str, timing: bool = False) -> None:
+    _backend_output_to_stderr()
     try:
         # a process group of its own, which the parent kills whole (Worker.kill): a
         # process the backend forks would otherwise outlive the run (PR_SET_PDEATHSIG is
@@ -330,6 +385,13 @@ class Worker:
         self.closed = False
         #: jobs sent so far (each job's number, see run_job)
         self._jobs = 0
+        #: the last unit execute() ran, "<check> <dtype>", and how it ended (an Outcome's
+        #: `how`): what a record says when the process is found gone
+        self.last_unit: tuple[str, str] = ("", "")
+        #: set when a process started again (after the last one was lost) did not load:
+        #: the message of the error record every later unit gets at once, without another
+        #: start (see execute)
+        self.given_up = ""
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> bool:
@@ -554,7 +616,12 @@ class Worker:
                 timeout: float, on_record=None, stopping=None) -> list[dict]:
         """One unit's records, whatever the backend does: a process that is gone is
         started again first; a timeout or a death becomes an error record that says how
-        many cases had finished (their records are kept)."""
+        many cases had finished (their records are kept). Once a process started again
+        fails to load (it dies, or hangs past the load timeout), no process is started
+        again: this unit and every later one get an error record at once saying where
+        the process was lost and why the new one did not load (`given_up`). A backend
+        whose second load hung had each of its units wait the load timeout, 120 s: 6 min
+        for the 4 units of one check, about 10 hours for a full run."""
         records: list[dict] = []
 
         def keep(rec: dict) -> None:
@@ -568,15 +635,23 @@ class Worker:
         t0 = time.perf_counter()
         if stopping is not None and stopping.is_set():
             return records  # (a process the stop killed is not started again)
+        if self.given_up:
+            keep(Record(**base, case="not run", status="error", message=self.given_up).to_json())
+            return records
         if not self.alive and not self.restart(timeout):
             if not (stopping is not None and stopping.is_set()):
+                lost = self._lost()
+                self.given_up = (f"the backend's process {lost} and could not be started "
+                                 f"again ({self.error}): this check was not run")
                 keep(Record(**base, case="restart", status="error",
-                            message=f"the backend could not be started again: {self.error}"
+                            message=f"the backend could not be started again after its "
+                            f"process {lost}: {self.error}; its later checks are not run"
                             ).to_json())
             return records
         self.last_compile_s = None
         out = self.run_unit(check_id, dtype, seed=seed, examples=examples, shrink=shrink,
                             timeout=timeout, on_record=keep)
+        self.last_unit = (f"{check_id} {dtype}", out.how)
         self.last_compile_s = out.compile_s
         if out.how != "done" and not (stopping is not None and stopping.is_set()):
             # (a process the run itself killed on Ctrl-C is not the backend's failure)
@@ -586,3 +661,14 @@ class Worker:
                         duration_s=round(time.perf_counter() - t0, 3),
                         message=f"{why}; {out.received} case(s) had finished").to_json())
         return records
+
+    def _lost(self) -> str:
+        """Where the process that is gone was lost, in words: "died in F2.values
+        float32", "was stopped in ... (it timed out)", "died after ..." (it finished
+        that unit)."""
+        unit, how = self.last_unit
+        if not unit:
+            return "died before its first check"
+        return {"done": f"died after {unit}", "timeout": f"was stopped in {unit} (it timed out)",
+                "broke": f"was stopped in {unit} (it broke the harness's protocol)",
+                }.get(how, f"died in {unit}")

@@ -1,13 +1,15 @@
 """Backends that go for the harness around them rather than the math: each does what code
 in a backend's process can do to a run (fork into it, write on its pipe, die leaving a
 child that holds the pipe, raise an exception that is not an Exception, declare data
-that is not plain, start processes of its own). tests/test_results_survive.py runs
+that is not plain, start processes of its own, print into a closed pipe, hang when loaded
+again after a death). tests/test_results_survive.py runs
 them through `normspec run`; each must cost its own check at most, with a message."""
 
 from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 
 from normspec.impls.numpy_ref import NumpyBackend
@@ -112,8 +114,40 @@ class NotPlainDeviation(NumpyBackend):
     deviations = ({"check": "F2.values", "reason": object()},)
 
 
+class PrintsInsideOps(NumpyBackend):
+    """Correct, and chatty: every LayerNorm prints a line on stdout and one on stderr, and
+    writes one on file descriptor 1 as a C library's printf would (its error ignored)."""
+
+    def layer_norm(self, *args, **kwargs):
+        import ctypes
+
+        print("PrintsInsideOps: print", flush=True)
+        print("PrintsInsideOps: print to stderr", file=sys.stderr, flush=True)
+        line = b"PrintsInsideOps: written on fd 1\n"
+        ctypes.CDLL(None).write(1, line, len(line))
+        return super().layer_norm(*args, **kwargs)
+
+
+class DiesThenHangsLoading(NumpyBackend):
+    """Dies in its first LayerNorm (exit code 9), and every load after the first hangs, as
+    on a lock the dead process held. Each load appends a line to $NORMSPEC_TEST_LOADS."""
+
+    def __init__(self):
+        super().__init__()
+        path = os.environ["NORMSPEC_TEST_LOADS"]
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
+        with open(path, encoding="utf-8") as f:
+            if len(f.read().split()) > 1:
+                time.sleep(600)
+
+    def layer_norm(self, *args, **kwargs):
+        os._exit(9)
+
+
 for _cls in (ForksIntoTheHarness, WritesOnThePipe, DiesLeavingAChild, RaisesABaseException,
-             RunsAProcessPool, ReasonRunsCode, NotPlainDeviation):
+             RunsAProcessPool, ReasonRunsCode, NotPlainDeviation, PrintsInsideOps,
+             DiesThenHangsLoading):
     _cls.name = _cls.__name__.lower()
 
 

@@ -882,6 +882,75 @@ def test_a_death_is_told_from_a_hang_though_a_child_holds_the_pipe(tmp_path):
     assert "died (exit code 3)" in died["message"], died["message"]
 
 
+@pytest.mark.parametrize("closed", [(1,), (2,), (1, 2)], ids=["stdout", "stderr", "both"])
+def test_a_backend_that_prints_into_a_closed_pipe_loses_no_record(closed, capfd):
+    """`normspec run | head -1`: the backend processes shared the run's stdout, and a
+    correct backend that printed inside an op had every record of its checks an error,
+    "raised BrokenPipeError", once head had exited. Its prints now go to stderr (a C
+    library's writes on fd 1 too), and what a closed stderr cannot take is dropped: its
+    records are those of the same backend silent."""
+    from normspec.conformance import runner
+
+    capfd.readouterr()
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # (a reader that has exited: every write fails with EPIPE)
+    saved = {fd: os.dup(fd) for fd in closed}
+    try:
+        for fd in closed:  # (the backend processes inherit the run's descriptors)
+            os.dup2(write_end, fd)
+        doc = runner.run(["hostile_backends:PrintsInsideOps", "numpy"],
+                         checks=["F2.values", "E1"], dtypes=["float32"], examples=2,
+                         label="ci", jobs=1)
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(write_end)
+    err = capfd.readouterr().err
+    by = {name: sorted((r["check"], r["dtype"], r["case"], r["status"], r["message"],
+                        str(r["max_ulp"])) for r in doc["records"] if r["backend"] == name)
+          for name in ("printsinsideops", "numpy")}
+    assert doc["runs"][0]["complete"] and by["numpy"]
+    assert by["printsinsideops"] == by["numpy"]
+    assert {r["status"] for r in doc["records"]} == {"pass"}
+    if 2 not in closed:  # what it printed is on stderr, for the user to see
+        assert "PrintsInsideOps: print\n" in err and "PrintsInsideOps: print to stderr" in err
+        assert "PrintsInsideOps: written on fd 1" in err
+
+
+def test_a_backend_that_cannot_be_started_again_costs_one_load_wait(tmp_path, monkeypatch):
+    """A backend that died in a check and whose next load hung: each later check started
+    a process again and waited the load timeout for it (120 s at least: 6 minutes for
+    the 4 units of one check, ~10 hours for a full run). The process is started again
+    once; that start failing, the units left get an error record at once, naming where
+    the process was lost and why the new one did not load."""
+    from normspec.conformance import runner, worker
+
+    loads = tmp_path / "loads.txt"
+    monkeypatch.setenv("NORMSPEC_TEST_LOADS", str(loads))
+    monkeypatch.setattr(worker, "LOAD_TIMEOUT_MIN_S", 0.0)  # (the load waits --timeout)
+    doc = runner.run(["hostile_backends:DiesThenHangsLoading"],
+                     checks=["F2.values", "F3.values"], dtypes=["float32", "float64", "float16"],
+                     examples=2, timeout=3.0, label="ci", jobs=1)
+    assert len(loads.read_text(encoding="utf-8").split()) == 2  # the first, and one restart
+    run = doc["runs"][0]
+    assert run["complete"] and run["planned"] == 6
+    died, restart, *rest = doc["records"]
+    assert len(rest) == 4
+    assert {r["status"] for r in doc["records"]} == {"error"}
+    assert sorted((r["check"], r["dtype"]) for r in doc["records"]) == sorted(
+        (c, d) for c in ("F2.values", "F3.values") for d in ("float32", "float64", "float16"))
+    assert (died["check"], died["dtype"], died["case"]) == ("F2.values", "float32", "died")
+    assert "died (exit code 9)" in died["message"]
+    assert restart["case"] == "restart" and restart["message"] == (
+        "the backend could not be started again after its process died in F2.values "
+        "float32: loading it took longer than 3 s; its later checks are not run")
+    for r in rest:
+        assert r["case"] == "not run" and r["message"] == (
+            "the backend's process died in F2.values float32 and could not be started "
+            "again (loading it took longer than 3 s): this check was not run"), r
+
+
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

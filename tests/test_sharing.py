@@ -5,6 +5,8 @@ sharing; and each backend process waits passively instead of spinning."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from normspec.conformance import runner
 
@@ -66,3 +68,62 @@ def test_backend_processes_wait_passively_unless_told_otherwise(tmp_path, monkey
         monkeypatch.setenv("OMP_WAIT_POLICY", given)
     doc = runner.run(["pid_backend:make_backend"], checks=["E1"], dtypes=["float32"], label="ci")
     assert doc["backends"][0]["version"] == f"OMP_WAIT_POLICY={seen}"
+
+
+class _FakeWorker:
+    """What _Run.drive uses of a Worker: execute() records one error per unit it is given
+    (once given up, as Worker.execute does) after `hold` is set."""
+
+    def __init__(self, name, given_up=""):
+        self.entry, self.requested, self.given_up = {"name": name}, name, given_up
+        self.last_compile_s = None
+        self.units: list = []
+        self.hold = threading.Event()
+        self.hold.set()
+        self.started = threading.Event()
+
+    def execute(self, check_id, dtype, *, on_record, **_):
+        self.started.set()
+        self.hold.wait(30)
+        self.units.append((check_id, dtype))
+        rec = {"check": check_id, "dtype": dtype, "status": "error"}
+        on_record(rec)
+        return [rec]
+
+
+def _state(workers, units):
+    state = runner._Run(label="ci", seed=0, examples=1, timeout=1.0, shrink=False,
+                        say=lambda _msg: None, on_record=None)
+    for w in workers:
+        state.timing.setdefault(w.entry["name"], {"checks_s": 0.0, "families": {},
+                                                  "compile_s": None, "family_compile_s": {}})
+    state.queue(workers[:1], units)
+    return state
+
+
+def test_a_process_that_gave_up_leaves_the_units_to_one_that_still_runs():
+    """A backend's second process that could not be started again (Worker.given_up)
+    leaves the units to the process that still runs them, and the backend gets no third
+    process; one that gave up with no such process beside it records every unit left,
+    so that none is left without a record."""
+    units = [("b", "F2.values", d) for d in DTYPES * 3]
+    running, gone = _FakeWorker("b"), _FakeWorker("b", given_up="its process died")
+    state = _state([running, gone], units)
+    running.hold.clear()
+    driver = threading.Thread(target=state.drive, args=(running, "b"))
+    driver.start()
+    try:
+        assert running.started.wait(30)
+        state.drive(gone, "b")  # (returns at once: `running` takes the units left)
+        assert gone.units == [] and len(state.pending["b"]) == len(units) - 1
+        assert "b" in state.unshareable
+    finally:
+        running.hold.set()
+        driver.join(30)
+    assert len(running.units) == len(units) and not state.pending["b"]
+    assert state.done == set(units)
+
+    alone = _FakeWorker("b", given_up="its process died")
+    state = _state([alone], units)
+    state.drive(alone, "b")
+    assert len(alone.units) == len(units) and state.done == set(units)
