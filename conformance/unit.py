@@ -17,7 +17,7 @@ from normspec.impls.protocol import Capabilities
 from . import deviations
 from .cases import dtype_of
 from .checks import Check
-from .context import Context
+from .context import Context, exception_text
 from .results import Record
 
 
@@ -67,14 +67,24 @@ def run_check(loaded: registry.LoadedBackend, check: Check, dtype: str, *, seed:
         if emit is not None:
             emit(rec)
 
-    why = why_unsupported(check, backend.capabilities, dtype)
+    try:
+        # the backend's own declarations, read by the harness's code: one that raises, or
+        # is not a Capabilities, is this unit's error, named (it ended the process, and
+        # the record said "its process died": a red team)
+        declared = "capabilities"
+        why = why_unsupported(check, backend.capabilities, dtype)
+        declared = "conventions"
+        conventions = getattr(backend, "conventions", None)
+    except Exception as exc:  # noqa: BLE001 - a third party's broken declaration
+        finish(Record(**base, case="all", status="error",
+                      message=f"reading the backend's {declared} raised {exception_text(exc)}"))
+        return records
     if why:
         finish(Record(**base, case="all", status="unsupported", message=why))
         return records
     ctx = Context(backend_name=loaded.name, source=loaded.requested, backend=backend, shrink=shrink,
                   check_id=check.id, claim=check.claim, op=base["op"], dtype=dtype_of(dtype),
-                  seed=seed, examples=examples, conventions=getattr(backend, "conventions", None),
-                  on_record=finish)
+                  seed=seed, examples=examples, conventions=conventions, on_record=finish)
     box: dict = {}
 
     def body():

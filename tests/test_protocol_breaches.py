@@ -245,3 +245,29 @@ def test_messages_print_shortest_round_trip_numbers_whatever_the_print_options()
     with np.printoptions(legacy="1.13"):
         assert fmt(9.3616705, "float32") == "9.3616705"
         assert fmt(1.0000001, "float32") != fmt(1.0, "float32")
+
+
+class CapabilitiesRaise(NumpyBackend):
+    """Its capabilities raise once checks start (a property computed from a broken
+    probe); its conventions raise in the variant below."""
+
+    @property
+    def capabilities(self):
+        raise RuntimeError("probe failed")
+
+
+class ConventionsRaise(NumpyBackend):
+    @property
+    def conventions(self):
+        raise RuntimeError("no table")
+
+
+@pytest.mark.parametrize("backend, declared", [(CapabilitiesRaise(), "capabilities"),
+                                               (ConventionsRaise(), "conventions")])
+def test_a_declaration_that_raises_is_the_units_error_named(backend, declared):
+    """Found by a red team: the harness read the declaration outside any guard, the
+    exception ended the backend's process, and the record said "its process died"."""
+    records = run(backend, "F2.values", "float32")
+    assert [r.status for r in records] == ["error"], [(r.status, r.message) for r in records]
+    assert records[0].message == (f"reading the backend's {declared} raised RuntimeError: "
+                                  f"{'probe failed' if declared == 'capabilities' else 'no table'}")
