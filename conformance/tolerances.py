@@ -448,10 +448,11 @@ def param_grad_scales(g64, x_hat, sum_axes) -> tuple[np.ndarray, np.ndarray]:
 
 
 def qk_scores_scale(q_hat, k_hat, scale) -> np.ndarray:
-    """Each score is a dot product of d products of normalized entries: the row's
-    largest sum of |terms|."""
-    terms = np.matmul(np.abs(q_hat), np.swapaxes(np.abs(k_hat), -1, -2)) * abs(scale)
-    return np.max(terms, axis=-1, keepdims=True)
+    """Each score is a dot product of d products of normalized entries, each carrying
+    its own relative error (the RMSNorms', the products'), so its scale is its own sum
+    of |terms|: the row's largest let a score of a near-orthogonal key off by 2e-4
+    relative pass at 27 ULPs of the row's scale, 1718 of its own (a review)."""
+    return np.matmul(np.abs(q_hat), np.swapaxes(np.abs(k_hat), -1, -2)) * abs(scale)
 
 
 def running_stat_scales(old_rm, old_rv, moments: BatchMoments, a):

@@ -271,3 +271,31 @@ def test_a_declaration_that_raises_is_the_units_error_named(backend, declared):
     assert [r.status for r in records] == ["error"], [(r.status, r.message) for r in records]
     assert records[0].message == (f"reading the backend's {declared} raised RuntimeError: "
                                   f"{'probe failed' if declared == 'capabilities' else 'no table'}")
+
+
+def test_each_qk_score_is_judged_at_its_own_terms():
+    """A one-hot query against an aligned key and a near-orthogonal one, the latter's
+    score off by 2e-4 relative (a tail key normalized with a slightly wrong RMS): 1718
+    ULPs at that score's own sum of |terms|, and 27 of the row's largest, which the bound
+    (30) let pass (a review of every scale)."""
+    from normspec.conformance.cases import Literal
+    from normspec.conformance.context import Context
+    from normspec.conformance.ops import qk_scores_case
+
+    class LastKeyOff(NumpyBackend):
+        def qk_norm_scores(self, q, k, q_weight, k_weight, eps, scale):
+            s = super().qk_norm_scores(q, k, q_weight, k_weight, eps, scale).astype(np.float64)
+            s[..., -1] *= 1 + 2e-4
+            return s.astype(q.dtype)
+
+    d = 64
+    q, k = np.zeros((1, 1, d)), np.zeros((1, 2, d))
+    q[..., 0], k[0, 0, :], k[0, 1, 1], k[0, 1, 0] = 1.0, 1.0, 1.0, 1e-3
+    backend = LastKeyOff()
+    ctx = Context(backend_name="t", source="tests", backend=backend, check_id="t", claim="F6",
+                  op="qk_norm_scores", dtype=np.dtype(np.float32), seed=0, examples=1,
+                  conventions=backend.conventions)
+    with ctx.case("one-hot query, an aligned key and a near-orthogonal key"):
+        qk_scores_case(ctx, q=Literal.of(q), k=Literal.of(k), eps=1e-6)
+    rec = ctx.records[-1]
+    assert rec.status == "fail" and rec.worst["index"] == [0, 0, 1], (rec.status, rec.worst)
