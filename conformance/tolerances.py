@@ -102,9 +102,10 @@ TABLE: dict[str, Tolerance] = {t.quantity: t for t in (
               "dL/dgamma is a sum over the batch of g x_hat: one more reduction over the "
               "rows, scale = the sum of the magnitudes added; each term carries x_hat's "
               "steps (6.5) and its product (1). n = the terms summed times the values their "
-              "statistics reduce over (LayerNorm: rows x d; BatchNorm: m x m in training, m "
-              "in eval), kappa = the worst of those statistics' (every row's for a "
-              "LayerNorm gain, the channel's own for BatchNorm's).", fixed=7.5),
+              "statistics reduce over (LayerNorm: rows x d); BatchNorm's: m, its sum and its "
+              "statistics reducing over the same m values. kappa = the worst of those "
+              "statistics' (every row's for a LayerNorm gain, the channel's own for "
+              "BatchNorm's).", fixed=7.5),
     Tolerance("bias_gradient", 1.0, 1.0,
               "dL/dbeta, the sum over the batch of g: the reduction alone, (log2 n + 1) "
               "compute roundings at the sum of |g| (its scale), n = the terms summed (the "

@@ -131,8 +131,8 @@ def backend_entry(loaded: registry.LoadedBackend, label: str) -> dict:
              "capabilities": {}, "conventions": {}}
     if b is not None:
         for key in ("capabilities", "conventions"):
-            obj: Any = getattr(b, key, None)
             try:
+                obj: Any = getattr(b, key, None)
                 entry[key] = obj.as_dict() if hasattr(obj, "as_dict") else dict(vars(obj))
             except Exception as exc:  # noqa: BLE001 - a third party's broken declaration
                 entry[key] = {"error": f"{type(exc).__name__}: {exc}"}

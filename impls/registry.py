@@ -144,12 +144,20 @@ def load(name_or_source: str) -> LoadedBackend:
             hint = (f" (is the folder holding {exc.name} on PYTHONPATH, or the current "
                     "folder?)")
         return LoadedBackend(label, source, error=f"{type(exc).__name__}: {exc}{where}{hint}")
-    problems = adapter_problems(obj)
-    if problems:
-        return LoadedBackend(label, source, error="not a normspec backend: " + "; ".join(problems))
-    name = str(getattr(obj, "name", label))
-    deviations = builtin_deviations(name) if source == BUILTINS.get(name) else []
-    deviations += [dict(d) for d in getattr(obj, "deviations", ())]
+    try:
+        # its declarations, read here first: one that raises (a property over a broken
+        # probe) makes the backend unusable, said why, rather than ending the process
+        # that loads it (found by a review)
+        problems = adapter_problems(obj)
+        if problems:
+            return LoadedBackend(label, source,
+                                 error="not a normspec backend: " + "; ".join(problems))
+        name = str(getattr(obj, "name", label))
+        deviations = builtin_deviations(name) if source == BUILTINS.get(name) else []
+        deviations += [dict(d) for d in getattr(obj, "deviations", ())]
+    except Exception as exc:  # noqa: BLE001 - any failure of third-party code is reported
+        return LoadedBackend(label, source, error=f"reading its declarations raised "
+                                                  f"{type(exc).__name__}: {exc}")
     return LoadedBackend(name, source, backend=obj, deviations=deviations, requested=label)
 
 

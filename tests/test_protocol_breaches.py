@@ -299,3 +299,14 @@ def test_each_qk_score_is_judged_at_its_own_terms():
         qk_scores_case(ctx, q=Literal.of(q), k=Literal.of(k), eps=1e-6)
     rec = ctx.records[-1]
     assert rec.status == "fail" and rec.worst["index"] == [0, 0, 1], (rec.status, rec.worst)
+
+
+@pytest.mark.parametrize("factory", ["CapabilitiesRaise", "ConventionsRaise"])
+def test_a_declaration_that_raises_at_load_makes_the_backend_unusable_said_why(factory):
+    """Read first by the registry when the backend loads: one that raised there ended
+    the process that loaded it ("died while loading it"; a review)."""
+    from normspec.impls import registry
+
+    loaded = registry.load(f"test_protocol_breaches:{factory}")
+    assert not loaded.available and "reading its declarations raised RuntimeError" in \
+        loaded.error, loaded.error

@@ -44,8 +44,9 @@ def compare_param_grads(ctx, code, prefix, g64, x_hat, sum_axes, expected_w, exp
     """dL/dgamma, dL/dbeta: per parameter element, sums over `sum_axes` of g x_hat and
     of g. dL/dgamma's terms carry the forward's error, so its growth covers both
     reductions: n = the terms summed times `stats_count`, the values each term's
-    statistics reduce over (LayerNorm and RMSNorm: the row's d; BatchNorm training: the
-    channel's m; eval: 1, the running statistics), at the kappa of the statistics its
+    statistics reduce over (LayerNorm and RMSNorm: the row's d; BatchNorm: 1, its sum and
+    its training statistics reducing over the same m values, whose growth per halving
+    covers both), at the kappa of the statistics its
     terms were normalized by (`kappa`, broadcast like g), the worst of them: every row's
     for a LayerNorm gain, the channel's own for BatchNorm's (the largest over every
     channel let a channel's error 15 times its bound through beside a channel of mean

@@ -261,9 +261,10 @@ class BatchNormDriver:
                 return self._reported(
                     w_scale, (r * np.abs(g64)).sum(axis=axes),
                     0.5 * np.abs(g64 * x_hat).sum(axis=axes) / (var + self.e))
-        # n: the values the statistics reduce over (the channel's m; 1 in eval)
+        # the sum and the training statistics reduce over the same m values: the growth
+        # per halving of m covers both (n = m), as it does the eval sum's alone
         compare_param_grads(ctx, code, f"batch_norm.{phase}", g64, x_hat, axes, gw, gb, res,
-                            kappa, n, variants=vjp, held=held)
+                            kappa, 1, variants=vjp, held=held)
 
     def _reported(self, scale, mean_sens, var_sens):
         """ULPs an eval quantity at `scale` may be off for the running statistics this

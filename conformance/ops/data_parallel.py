@@ -225,13 +225,11 @@ class DataParallelRun:
                      for g, x_hat in zip(self.gs[t], x_hats, strict=True))
         all_bs = sum(np.abs(f64(g)).sum(axis=axes) for g in self.gs[t])
         c = self.w64.shape[0]
-        # per channel, as tolerances' param_gradient counts them (see _common's
-        # compare_param_grads): the terms summed, times the values each term's statistics
-        # reduce over; and the kappa of the statistics, the worst replica's for the
+        # per channel, as tolerances' param_gradient counts BatchNorm's (see batch_norm.py):
+        # the terms summed; and the kappa of the statistics, the worst replica's for the
         # all-reduced gradients, which sum every replica's terms
         terms = [g.size // c for g in self.gs[t]]
         all_terms = sum(terms)
-        all_count = max(moments.count for _, _, moments, _, _ in norms)
         k_all = np.max([moments.kappa.reshape(-1) for _, _, moments, _, _ in norms], axis=0)
         for r, (axes, bshape, moments, mean, inv) in enumerate(norms):
             g, x_hat = f64(self.gs[t][r]), x_hats[r]
@@ -246,11 +244,10 @@ class DataParallelRun:
             }
             ws, bs = param_grad_scales(g, x_hat, axes)
             scales["replica_grad_weight"] = (ws, bound("param_gradient", ctx.dtype,
-                                                       terms[r] * n, kappa.reshape(-1)))
+                                                       terms[r], kappa.reshape(-1)))
             scales["replica_grad_bias"] = (bs, bound("bias_gradient", ctx.dtype, terms[r]))
             scales["grad_weight"] = (all_ws / self.world,
-                                     bound("param_gradient", ctx.dtype, all_terms * all_count,
-                                           k_all))
+                                     bound("param_gradient", ctx.dtype, all_terms, k_all))
             scales["grad_bias"] = (all_bs / self.world,
                                    bound("bias_gradient", ctx.dtype, all_terms))
             rm_scale, rv_scale = running_stat_scales(exp["old_rm"][r], exp["old_rv"][r], moments, a)
