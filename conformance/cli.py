@@ -28,6 +28,9 @@ from .diagnosis import summary as diagnosis_summary
 RESULTS_DIR = Path("results")
 REPORTS_DIR = Path("reports")
 LATEST = "latest"
+#: Seconds a unit (a check on one dtype) took per backend, the mean of the latest run of
+#: each: the next run starts the slowest backend first (runner.run's `previous`)
+TIMING = "timing"
 #: The conventions whose declarations the checks hold a backend to (README.md's table says
 #: by which check): `normspec backends` lists them as verified, the rest as its word.
 VERIFIED_CONVENTIONS = ("running_var_estimator", "eps_zero", "parameter_dtype",
@@ -340,8 +343,17 @@ def _not_a_report_path(path: Path) -> str | None:
     then crashed)."""
     if path.suffix in (".json", ".jsonl"):
         return "that is a results file's name (.json, .jsonl); a report is HTML"
+    return _kept_by_runs(path)
+
+
+def _kept_by_runs(path: Path) -> str | None:
+    """Why `path` must not be written with results or a report: a file the runs in
+    RESULTS_DIR keep (results/latest: the next `normspec report` then crashed; results/
+    timing: the next run would replace what was written there, found by a review)."""
     if _same_file(path, RESULTS_DIR / LATEST):
         return "that file names the latest run"
+    if _same_file(path, RESULTS_DIR / TIMING):
+        return "that file keeps the backends' timing for the next run's order"
     return None
 
 
@@ -372,8 +384,8 @@ def cmd_run(args) -> int:
     if args.json and Path(args.json).suffix == ".jsonl":
         return _refuse(f"--json {args.json}: a .jsonl file is read as a run's stream; give a "
                        ".json path")
-    if args.json and _same_file(Path(args.json), RESULTS_DIR / LATEST):
-        return _refuse(f"cannot write {args.json}: that file names the latest run")
+    if args.json and _kept_by_runs(Path(args.json)):
+        return _refuse(f"cannot write {args.json}: {_kept_by_runs(Path(args.json))}")
     if args.html and not args.no_html and _not_a_report_path(Path(args.html)):
         return _refuse(f"cannot write {args.html}: {_not_a_report_path(Path(args.html))}")
     def paths(stem):
@@ -468,6 +480,8 @@ def _run_into(args, label: str, stem: str | None, json_path: Path, html_path: Pa
             _tell(f"normspec run: stopped by {info['stopped_by']} {when}; partial results: "
                   f"{json_path}" + (f" (report: {html_path})" if html_path else ""))
             return 128 + signal.Signals[info["stopped_by"]].value
+        if stem:  # (a run written elsewhere, --json, leaves this folder alone)
+            _keep_timing(doc)
         failing = sum(r["status"] in results.FAILING for r in doc["records"])
         try:
             print_summary(doc)
@@ -482,13 +496,35 @@ def _run_into(args, label: str, stem: str | None, json_path: Path, html_path: Pa
 
 
 def _previous_timing() -> dict[str, float]:
-    """Seconds of checks per backend in the latest run here, if it can be read."""
+    """Seconds a unit took per backend in the latest runs here (TIMING), if it can be
+    read: a few bytes, where reading the latest results file took ~0.5 s of the run."""
     try:
-        stem = (RESULTS_DIR / LATEST).read_text(encoding="utf-8").strip()
-        doc = results.read(RESULTS_DIR / f"{stem}.json")
-        return {b: float(t["checks_s"]) for b, t in doc["runs"][0].get("timing", {}).items()}
-    except (OSError, ValueError, KeyError, TypeError):
+        kept = json.loads((RESULTS_DIR / TIMING).read_text(encoding="utf-8"))
+        return {str(b): float(s) for b, s in kept.items()
+                if isinstance(s, (int, float)) and math.isfinite(s)}
+    except (OSError, ValueError, AttributeError, TypeError):
         return {}
+
+
+def _keep_timing(doc: dict) -> None:
+    """Write TIMING (for a run written into RESULTS_DIR that was not stopped): this run's
+    seconds a unit per backend it ran, beside what the file says of the backends it did
+    not run. (A mean for ordering backends, not a measurement: a run of a few checks
+    counts as a full run does.)"""
+    units: dict[str, set] = {}
+    for r in doc["records"]:
+        units.setdefault(r["backend"], set()).add((r["check"], r["dtype"]))
+    per_unit = _previous_timing()
+    for b, t in (doc["runs"][0].get("timing") or {}).items():
+        if t.get("checks_s") and units.get(b):
+            per_unit[b] = round(float(t["checks_s"]) / len(units[b]), 4)
+    try:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = RESULTS_DIR / f"{TIMING}.{os.getpid()}.tmp"  # (runs in one folder at once)
+        tmp.write_text(json.dumps(per_unit, sort_keys=True), encoding="utf-8")
+        tmp.replace(RESULTS_DIR / TIMING)
+    except OSError:  # an unwritable folder costs the next run its order, nothing more
+        pass
 
 
 def print_timing(doc: dict, out=None) -> None:
@@ -689,7 +725,8 @@ def cmd_bench(args) -> int:
     if args.json is not None and Path(args.json).suffix == ".jsonl":
         return _refuse(f"--json {args.json}: a .jsonl file is read as a run's stream; give a "
                        ".json path", "bench")
-    why = _unwritable(Path(args.json) if args.json else RESULTS_DIR / f"{_stem_of('bench')}.json")
+    why = _unwritable(Path(args.json) if args.json else RESULTS_DIR / f"{_stem_of('bench')}.json") \
+        or (args.json and _kept_by_runs(Path(args.json)))
     if why:
         return _refuse(f"cannot write {args.json or RESULTS_DIR}: {why}", "bench")
     stem, made = None, not RESULTS_DIR.exists()

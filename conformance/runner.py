@@ -34,9 +34,12 @@ from .worker import Worker
 
 DEFAULT_DTYPES = DTYPES
 #: a free slot starts a second process for a backend only when that backend's units not
-#: yet started are expected to take at least this long (a process costs a load, ~1-4 s,
-#: and the compile caches it has not warmed)
-SHARE_MIN_S = 10.0
+#: yet started are expected to take at least this long, and at least SHARE_LOADS times
+#: what loading the backend took at the run's start (a process costs a load, ~1-5 s, and
+#: the compile caches it has not warmed; two processes finish work W in about (W + the
+#: load) / 2, so the share gains (W - the load) / 2)
+SHARE_MIN_S = 3.0
+SHARE_LOADS = 2.0
 SHARE_POLL_S = 0.2
 VERSIONED_PACKAGES = ("normspec", "numpy", "ml_dtypes", "hypothesis", "torch", "jax", "flax",
                       "jaxlib", "numba", "triton")
@@ -230,6 +233,8 @@ class _Run:
         self.unshareable: set[str] = set()
         #: per backend name: the processes a slot is driving now (see drive)
         self.driving: dict[str, list[Worker]] = collections.defaultdict(list)
+        #: threads letting finished processes exit (_stop_later)
+        self.stoppers: list[threading.Thread] = []
 
     def _keep(self, unit, rec: dict) -> None:
         rec["run"] = self.label
@@ -282,7 +287,7 @@ class _Run:
         """(backend for a free slot, whether nothing is left to wait for). A backend no
         process works on comes first, in the run's order (slowest first); else, a second
         process for the backend with the most work left, when that work is known to
-        outweigh starting a process (`SHARE_MIN_S`)."""
+        outweigh starting a process (`SHARE_MIN_S`, `SHARE_LOADS`)."""
         waiting = [n for n in self.order if self.pending[n]]
         if not waiting:
             return None, True
@@ -290,7 +295,9 @@ class _Run:
         if fresh:
             return fresh[0], False
         shareable = [n for n in waiting if n not in self.unshareable
-                     and len(self.pending[n]) >= 2 and self._remaining_s(n) >= SHARE_MIN_S]
+                     and len(self.pending[n]) >= 2
+                     and self._remaining_s(n) >= max(SHARE_MIN_S,
+                                                     SHARE_LOADS * self.timing[n]["load_s"])]
         if shareable:
             best = max(shareable, key=self._remaining_s)
             if self._remaining_s(best) != float("inf"):
@@ -333,7 +340,26 @@ class _Run:
                 with self.lock:
                     self.active[name] -= 1
                 if worker is not None:
-                    worker.stop()
+                    self._stop_later(worker)
+
+    def _stop_later(self, worker: Worker) -> None:
+        """Let `worker`'s process finish in a thread of its own, and the slot take its
+        next backend now: a framework's exit takes seconds (jax's ~1.5 s here), during
+        which a core would wait. run() waits for these threads before it returns (a
+        stopped run kills the processes first)."""
+        t = threading.Thread(target=worker.stop, name=f"normspec-stop-{worker.requested}",
+                             daemon=True)
+        t.start()
+        with self.lock:
+            self.stoppers.append(t)
+
+    def join_stoppers(self) -> None:
+        """Wait for the processes _stop_later let finish (each ends within seconds: it
+        is killed if it does not exit)."""
+        with self.lock:
+            stoppers = list(self.stoppers)
+        for t in stoppers:
+            t.join()
 
     def drive(self, worker: Worker, name: str) -> None:
         """The backend's units, one at a time, in `worker`'s process, until none is left.
@@ -372,7 +398,6 @@ class _Run:
             spent = time.perf_counter() - t0
             with self.lock:
                 self.done.add(unit)
-                self.on_done(unit)
                 self.finished[name] += 1
                 t = self.timing[name]
                 t["checks_s"] = round(t["checks_s"] + spent, 2)
@@ -382,6 +407,9 @@ class _Run:
                     c = t["family_compile_s"]
                     c[fam] = c.get(fam, 0.0) + worker.last_compile_s
                     t["compile_s"] = (t["compile_s"] or 0.0) + worker.last_compile_s
+            # (outside the lock: the stream syncs the unit to disk, and the other slot
+            # need not wait on the disk for that)
+            self.on_done(unit)
             if recs:
                 counts = ", ".join(f"{n} {s}" for s, n in _count(recs).items())
                 self.say(f"{name:>8} {check_id:<26} {dtype:<9} {counts} "
@@ -414,8 +442,8 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
     (results.merge), and it leaves stale-deviation findings to that merge, since an entry
     may explain records of another shard. `on_start(doc, plan)` is called once the
     backends are loaded and before the first check; `on_record(record)` with each record
-    as it arrives, `on_done(unit)` when a unit finishes. `previous` (backend -> seconds of
-    checks, from an earlier run) starts the slowest backend first. Ctrl-C or `Stopped` end
+    as it arrives, `on_done(unit)` when a unit finishes. `previous` (backend -> seconds a
+    unit took in earlier runs) starts the slowest backend first. Ctrl-C or `Stopped` end
     the run early: the document returned then has `complete` False, `stopped_by`, and the
     units `not_reached`.
     """
@@ -490,11 +518,15 @@ def run(backends: list[str] | None = None, *, checks: list[str] | None = None,
             futures = list(pending)
             if futures:  # (once the last check is done, the run is complete)
                 checkpoint()
+        # the last processes exit as the others did, not killed by the stop below (a
+        # review); a stop asked for meanwhile changes nothing: every check is done
+        state.join_stoppers()
     except (KeyboardInterrupt, Stopped) as exc:
         stopped_by = exc.signal_name if isinstance(exc, Stopped) else "SIGINT"
     finally:
         state.stop()
         pool.shutdown(wait=True, cancel_futures=True)
+        state.join_stoppers()  # (after the slots, which start them)
         restore_ctrl_c()
         STOPS.pending = ""  # acted on, or come after the last checkpoint (see _StopRequests)
     for unit in [k for k in state.records if k[1] == "load"] + units:

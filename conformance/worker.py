@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -342,12 +343,14 @@ def _child_main(conn, requested: str, label: str, timing: bool = False) -> None:
 
 
 def _compile_seconds(backend) -> float | None:
-    """The backend's compile_seconds(), None where it has none or it fails."""
+    """The backend's compile_seconds(), None where it has none, it fails, or it is not a
+    finite number of seconds (a NaN printed "nan s" in the time table: a red team)."""
     try:
         value = backend.compile_seconds()
-        return None if value is None else float(value)
+        value = None if value is None else float(value)
     except Exception:  # noqa: BLE001 - a third party's broken optional method
         return None
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
 
 
 def _signal_name(exitcode: int | None) -> str:

@@ -102,6 +102,11 @@ def adapter_problems(obj: Any) -> list[str]:
             problems.append(f"capabilities names unknown op {op!r} (known: {', '.join(OPS)})")
         elif not callable(getattr(obj, op, None)):
             problems.append(f"capabilities claims {op!r} but the backend has no method {op}()")
+    limit = getattr(caps, "max_rows", None)
+    # (a str was a TypeError in the checks that compare it: a red team)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        problems.append(f"capabilities has max_rows = {limit!r}; it must be a Python int, at "
+                        "least 1, or None (no limit)")
     return problems
 
 

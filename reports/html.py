@@ -5,7 +5,6 @@ SVG, so the file opens from disk with no network."""
 
 from __future__ import annotations
 
-import copy
 import html as html_text
 import io
 import math
@@ -286,7 +285,8 @@ def render(docs: list[dict], names: list[str] | None = None) -> str:
                              autoescape=jinja2.select_autoescape(["html", "j2"]),
                              undefined=jinja2.StrictUndefined)
     # in-memory documents hold records as written (inf as "inf"): read them as numbers
-    doc = results.merge([results.validate(copy.deepcopy(d), "results") for d in docs], names)
+    doc = results.merge([results.validate(results.top_copy(d), "results") for d in docs],
+                        names)
     return env.get_template("report.html.j2").render(**build_context(doc))
 
 

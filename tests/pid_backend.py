@@ -5,6 +5,7 @@ every LayerNorm/RMSNorm call that much slower, so that a run lasts long enough t
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 
@@ -32,3 +33,26 @@ def make_backend():
     with open(os.environ["NORMSPEC_TEST_PIDS"], "a", encoding="utf-8") as f:
         f.write(f"{os.getpid()}\n")
     return PidBackend()
+
+
+class SlowExit(NumpyBackend):
+    """The numpy backend whose process takes $NORMSPEC_TEST_EXIT_S seconds to exit, then
+    notes "<name> exited <time>" in $NORMSPEC_TEST_PIDS (only if it exits, not killed)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        atexit.register(self._exit)
+
+    def _exit(self):
+        time.sleep(float(os.environ.get("NORMSPEC_TEST_EXIT_S", "0")))
+        with open(os.environ["NORMSPEC_TEST_PIDS"], "a", encoding="utf-8") as f:
+            f.write(f"{self.name} exited {time.time()}\n")
+
+
+def make_slow_exit_a():
+    return SlowExit("numpy_exit_a")
+
+
+def make_slow_exit_b():
+    return SlowExit("numpy_exit_b")

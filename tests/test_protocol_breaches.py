@@ -310,3 +310,76 @@ def test_a_declaration_that_raises_at_load_makes_the_backend_unusable_said_why(f
     loaded = registry.load(f"test_protocol_breaches:{factory}")
     assert not loaded.available and "reading its declarations raised RuntimeError" in \
         loaded.error, loaded.error
+
+
+class NoLayer(NumpyBackend):
+    """batch_norm returns None."""
+
+    def batch_norm(self, *args, **kwargs):
+        return None
+
+
+class StatlessLayer(NumpyBackend):
+    """batch_norm's layer has no running_mean attribute at all."""
+
+    def batch_norm(self, *args, **kwargs):
+        layer = super().batch_norm(*args, **kwargs)
+
+        class Bare:
+            forward, train, eval = layer.forward, layer.train, layer.eval
+        return Bare()
+
+
+@pytest.mark.parametrize("backend, says", [
+    (NoLayer(), "got layer = NoneType with no forward, train, eval method"),
+    (StatlessLayer(), "got a layer without running statistics"),
+])
+def test_batch_norm_returning_no_layer_is_a_protocol_failure(backend, says):
+    """Found by a red team: batch_norm() returning None was an AttributeError in the
+    harness's code, an error record that did not say what the backend got wrong."""
+    records = run(backend, "F1.matrix", "float32")
+    judged = [r for r in records if r.status != "unsupported"]  # (cases numpy does not offer)
+    assert judged and all(r.status == "fail" and r.quantity == "protocol" for r in judged), \
+        [(r.status, r.message[:120]) for r in judged]
+    assert all(says in r.message for r in judged), judged[0].message
+
+
+class MaxRowsText(NumpyBackend):
+    capabilities = Capabilities(ops={"layer_norm"}, dtypes={"float32"}, max_rows="100")
+
+
+class MaxRowsZero(NumpyBackend):
+    capabilities = Capabilities(ops={"layer_norm"}, dtypes={"float32"}, max_rows=0)
+
+
+@pytest.mark.parametrize("factory, says", [("MaxRowsText", "max_rows = '100'"),
+                                           ("MaxRowsZero", "max_rows = 0")])
+def test_a_max_rows_that_is_not_a_row_count_is_refused_at_load(factory, says):
+    """A max_rows of "100" was a TypeError error in every shapes check that compares it
+    (a red team): the backend is unusable, said why, before any check."""
+    from normspec.impls import registry
+
+    loaded = registry.load(f"test_protocol_breaches:{factory}")
+    assert not loaded.available and says in loaded.error, loaded.error
+
+
+def test_a_property_that_raises_attribute_error_is_not_called_missing():
+    """An AttributeError raised inside the backend's own running_mean property (a bug
+    there) is that error, not "a layer without running statistics" (a review)."""
+    class Buggy(NumpyBackend):
+        def batch_norm(self, *args, **kwargs):
+            layer = super().batch_norm(*args, **kwargs)
+
+            class Wrapped:
+                forward, train, eval = layer.forward, layer.train, layer.eval
+                running_var = property(lambda self: layer.running_var)
+
+                @property
+                def running_mean(self):
+                    return self._oops
+
+            return Wrapped()
+
+    records = [r for r in run(Buggy(), "F1.matrix", "float32") if r.status != "unsupported"]
+    assert records and not any("without running statistics" in r.message for r in records)
+    assert all("_oops" in r.message for r in records), records[0].message

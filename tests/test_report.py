@@ -234,3 +234,18 @@ def test_a_record_without_a_run_label_counts_in_its_files_run():
     context = html.build_context(results.merge([results.validate(doc)]))
     assert context["columns"] == ["b"]
     assert [(v["column"], v["counts"]) for v in context["verdicts"]] == [("b", {"fail": 1})]
+
+
+def test_rendering_leaves_the_documents_as_they_were(merged, tmp_path):
+    """The run renders its report from the document it then summarizes and counts for
+    its exit code: the render must not change it (it copies only the document's lists,
+    not every record, so this holds what that relies on), non-finite measures as written
+    ("inf") included."""
+    good, bad, _ = merged
+    odd = {**results.new_document(), "runs": [{"run": "odd"}],
+           "backends": [{"name": "b", "available": True, "run": "odd"}],
+           "records": [{**_record("b", "odd", "fail"), "max_ulp": "inf", "run": ""}]}
+    docs = [good, bad, odd]
+    before = json.loads(json.dumps(docs))
+    html.write_report(docs, tmp_path / "r.html")
+    assert json.loads(json.dumps(docs)) == before

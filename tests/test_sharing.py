@@ -33,6 +33,7 @@ def runs(tmp_path_factory):
         alone_pids = pids.read_text().split()
         pids.write_text("")
         mp.setattr(runner, "SHARE_MIN_S", 0.0)  # share as soon as the work left is known
+        mp.setattr(runner, "SHARE_LOADS", 0.0)
         # ~40 calls of 0.1 s: the first process cannot drain the queue before a second
         # one has started (about a second), however fast the machine
         mp.setenv("NORMSPEC_TEST_SLOW", "0.1")
@@ -127,3 +128,33 @@ def test_a_process_that_gave_up_leaves_the_units_to_one_that_still_runs():
     state = _state([alone], units)
     state.drive(alone, "b")
     assert len(alone.units) == len(units) and state.done == set(units)
+
+
+def test_a_slot_goes_on_while_a_finished_process_exits_and_the_last_exits_cleanly(
+        tmp_path, monkeypatch):
+    """A framework's exit takes seconds (jax's ~1.5 s), during which the slot waited and
+    a core idled. The next backend now starts at once; and the last processes, which
+    the run's end used to kill once their slots had let go of them, exit as the others
+    do (a review). Each backend here takes 3 s to exit and says when it did."""
+    import time
+
+    from normspec.conformance.worker import Worker
+
+    notes = tmp_path / "notes"
+    monkeypatch.setenv("NORMSPEC_TEST_PIDS", str(notes))
+    monkeypatch.setenv("NORMSPEC_TEST_EXIT_S", "3")
+    started: dict[str, float] = {}
+    real_execute = Worker.execute
+
+    def execute(self, *args, **kwargs):
+        started.setdefault(self.requested, time.time())
+        return real_execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(Worker, "execute", execute)
+    doc = runner.run(["pid_backend:make_slow_exit_a", "pid_backend:make_slow_exit_b"],
+                     checks=["F2.values"], dtypes=["float32"], examples=2, jobs=1)
+    assert doc["runs"][0]["complete"]
+    exited = dict(line.split(" exited ") for line in notes.read_text().splitlines())
+    assert set(exited) == {"numpy_exit_a", "numpy_exit_b"}  # neither was killed
+    # b's first unit started while a was still exiting
+    assert started["pid_backend:make_slow_exit_b"] < float(exited["numpy_exit_a"]) - 1.0

@@ -22,6 +22,10 @@ from ..tolerances import (
 )
 from ._common import Judged, compare_param_grads, f64
 
+#: what the harness calls on a layer batch_norm() returns (impls/protocol.BatchNormLayer;
+#: forward_no_grad only where the backend's capabilities say so)
+LAYER_METHODS = ("forward", "train", "eval")
+
 
 def _describe(a) -> str:
     return "None" if a is None else f"an array of shape {np.shape(a)}"
@@ -90,6 +94,12 @@ class BatchNormDriver:
             num_features, eps=eps, momentum=momentum, affine=affine,
             track_running_stats=track_running_stats, dtype=ctx.dtype, weight=weight,
             bias=bias), self.w, self.b, arg_names=("weight", "bias"))
+        # (a None here was an AttributeError error in the harness's own code: a red team)
+        lacking = [n for n in LAYER_METHODS if not callable(getattr(self.layer, n, None))]
+        if lacking:
+            raise CheckFailure(f"got layer = {type(self.layer).__name__} with no "
+                               f"{', '.join(lacking)} method, but the protocol says a "
+                               f"BatchNormLayer [{code}]", protocol=True)
         self.e = ctx.effective(eps, "eps")
         self.a = ctx.effective(momentum, "momentum")
         self.rm, self.rv = self._stats("initial")
@@ -98,7 +108,15 @@ class BatchNormDriver:
 
     # ------------------------------------------------------------ state
     def _stats(self, when):
-        rm, rv = self.layer.running_mean, self.layer.running_var
+        try:
+            rm, rv = self.layer.running_mean, self.layer.running_var
+        except AttributeError as exc:
+            if exc.obj is not self.layer or exc.name not in ("running_mean", "running_var"):
+                raise  # (one raised inside the backend's property: its own error, as named)
+            raise CheckFailure(f"got a layer without running statistics ({exc}; {when}), but "
+                               "the protocol says a BatchNormLayer has running_mean and "
+                               "running_var [layer.running_mean, layer.running_var]",
+                               protocol=True) from None
         if not self.track:
             self.ctx.holds(condition=rm is None and rv is None,
                            got=f"running statistics {rm!r}, {rv!r} ({when})",
