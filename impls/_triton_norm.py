@@ -19,6 +19,13 @@ through a [GROUP_SIZE_M, N] partial buffer and a second small kernel instead of 
 - A backward of one program (every row in one tile) is handed the final dW, dB buffers:
   its partial row is the sum, and the second kernel is not launched.
 
+One change of spelling: sums are `tl.reduce(x, axis, _add)` and zeros `tl.full`, not
+`tl.sum` and `tl.zeros`. Those two are @triton.jit functions themselves, and Triton's
+interpreter patches its whole language module again at every call of one (measured
+here: a quarter of this backend's time in a run, thousands of calls); `tl.reduce` and
+`tl.full` are builtins. On a GPU it is the same reduction (`_add` is tl.sum's own combine
+function); in the interpreter, one np.sum.
+
 Statistics accumulate in float32 (float64 for float64 inputs, ACC64); the variance is
 two-pass, so a large mean does not cancel it. Imported by the triton adapter only when
 the backend is loaded (it imports triton, whose interpreter must be chosen before).
@@ -28,6 +35,18 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _plain_add(a, b):
+    return a + b
+
+
+#: tl.sum's combine function, which the interpreter reduces with one np.sum; Triton names
+#: it privately, so where a release renames it a plain add is the same sum (checked here:
+#: every case passes), reduced by the interpreter's generic path one pair at a time,
+#: some 50 times slower
+_add = getattr(tl.standard, "_sum_combine", _plain_add)
 
 
 @triton.jit
@@ -58,12 +77,12 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
         x = tl.load(X + r64 * stride_xm + (cols * stride_xn)[None, :], mask=mask,
                     other=0.0).to(acc_t)
         if CENTRE:
-            mean = tl.sum(x * mean_scale, axis=1) / (tl.cast(N, acc_t) * mean_scale)
+            mean = tl.reduce(x * mean_scale, 1, _add) / (tl.cast(N, acc_t) * mean_scale)
             xc = tl.where(mask, x - mean[:, None], 0.0)
         else:
             mean = 0.0
             xc = x
-        var = tl.sum(xc * xc, axis=1) / N
+        var = tl.reduce(xc * xc, 1, _add) / N
         # padding rows get 1, not eps: no division by zero where eps = 0
         rstd = 1.0 / tl.sqrt(tl.where(row_ok, var + eps, 1.0))
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(acc_t)
@@ -79,19 +98,19 @@ def norm_fwd(X, Y, W, B, Mean, Rstd, stride_xm, stride_xn, stride_ym, M, N, eps,
         Y += tl.cast(row, tl.int64) * stride_ym
         mean = 0.0
         if CENTRE:
-            total = tl.zeros([BLOCK_N], dtype=acc_t)
+            total = tl.full([BLOCK_N], 0.0, acc_t)
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
                 total += tl.load(X + cols * stride_xn, mask=cols < N,
                                  other=0.0).to(acc_t) * mean_scale
-            mean = tl.sum(total, axis=0) / (tl.cast(N, acc_t) * mean_scale)
-        sq = tl.zeros([BLOCK_N], dtype=acc_t)
+            mean = tl.reduce(total, 0, _add) / (tl.cast(N, acc_t) * mean_scale)
+        sq = tl.full([BLOCK_N], 0.0, acc_t)
         for off in range(0, N, BLOCK_N):
             cols = off + tl.arange(0, BLOCK_N)
             x = tl.load(X + cols * stride_xn, mask=cols < N, other=0.0).to(acc_t)
             xc = tl.where(cols < N, x - mean, 0.0)
             sq += xc * xc
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / N + eps)
+        rstd = 1.0 / tl.sqrt(tl.reduce(sq, 0, _add) / N + eps)
         for off in range(0, N, BLOCK_N):
             cols = off + tl.arange(0, BLOCK_N)
             mask = cols < N
@@ -142,9 +161,9 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(acc_t)[None, :]
         x_cols = (cols * stride_xn)[None, :]
         g_cols = (cols * stride_gn)[None, :]
-        dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+        dw = tl.full([BLOCK_M, BLOCK_N], 0.0, acc_t)
         if CENTRE:
-            db = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+            db = tl.full([BLOCK_M, BLOCK_N], 0.0, acc_t)
         for start in range(group * BLOCK_M, M, n_groups * BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             row_ok = rows < M
@@ -156,9 +175,9 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
             rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)[:, None]
             xhat = tl.where(mask, (x - mean) * rstd, 0.0)
             h = g * w
-            c1 = tl.sum(h * xhat, axis=1)[:, None] / N
+            c1 = tl.reduce(h * xhat, 1, _add)[:, None] / N
             if CENTRE:
-                c2 = tl.sum(h, axis=1)[:, None] / N
+                c2 = tl.reduce(h, 1, _add)[:, None] / N
                 dx = (h - c2 - xhat * c1) * rstd
                 db += g
             else:
@@ -166,9 +185,9 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
             tl.store(DX + r64 * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             dw += g * xhat
         # cast to DW's dtype: with one group the caller passes the final buffers
-        tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_ok)
+        tl.store(DW + cols, tl.reduce(dw, 0, _add).to(DW.dtype.element_ty), mask=col_ok)
         if CENTRE:
-            tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_ok)
+            tl.store(DB + cols, tl.reduce(db, 0, _add).to(DB.dtype.element_ty), mask=col_ok)
     else:
         for row in range(group, M, n_groups):
             x_row = X + tl.cast(row, tl.int64) * stride_xm
@@ -177,8 +196,8 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
             mean = tl.load(Mean + row)
             rstd = tl.load(Rstd + row)
             if CENTRE:
-                sh = tl.zeros([BLOCK_N], dtype=acc_t)
-            shx = tl.zeros([BLOCK_N], dtype=acc_t)
+                sh = tl.full([BLOCK_N], 0.0, acc_t)
+            shx = tl.full([BLOCK_N], 0.0, acc_t)
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
                 mask = cols < N
@@ -187,9 +206,9 @@ def norm_bwd(X, G, W, Mean, Rstd, DX, DW, DB, stride_xm, stride_xn, stride_gm, s
                 if CENTRE:
                     sh += h
                 shx += h * xhat
-            c1 = tl.sum(shx, axis=0) / N
+            c1 = tl.reduce(shx, 0, _add) / N
             if CENTRE:
-                c2 = tl.sum(sh, axis=0) / N
+                c2 = tl.reduce(sh, 0, _add) / N
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
                 mask = cols < N
@@ -217,9 +236,9 @@ def group_sum(DW, DB, FINAL_DW, FINAL_DB, GROUPS, N, HAS_DW: tl.constexpr,
     program, in a fixed order."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_DW:
-        dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=DW.dtype.element_ty)
+        dw = tl.full([BLOCK_M, BLOCK_N], 0.0, DW.dtype.element_ty)
     if HAS_DB:
-        db = tl.zeros([BLOCK_M, BLOCK_N], dtype=DB.dtype.element_ty)
+        db = tl.full([BLOCK_M, BLOCK_N], 0.0, DB.dtype.element_ty)
     for start in range(0, GROUPS, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows[:, None] < GROUPS) & (cols[None, :] < N)
@@ -229,10 +248,10 @@ def group_sum(DW, DB, FINAL_DW, FINAL_DB, GROUPS, N, HAS_DW: tl.constexpr,
         if HAS_DB:
             db += tl.load(DB + offs, mask=mask, other=0.0)
     if HAS_DW:
-        tl.store(FINAL_DW + cols, tl.sum(dw, axis=0).to(FINAL_DW.dtype.element_ty),
+        tl.store(FINAL_DW + cols, tl.reduce(dw, 0, _add).to(FINAL_DW.dtype.element_ty),
                  mask=cols < N)
     if HAS_DB:
-        tl.store(FINAL_DB + cols, tl.sum(db, axis=0).to(FINAL_DB.dtype.element_ty),
+        tl.store(FINAL_DB + cols, tl.reduce(db, 0, _add).to(FINAL_DB.dtype.element_ty),
                  mask=cols < N)
 
 
@@ -260,9 +279,9 @@ def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps,
         x = tl.load(X + (n_i * stride_xn + l_i * stride_xl)[None, :], mask=mask,
                     other=0.0).to(acc_t)
         if USE_BATCH:
-            mean = tl.sum(x * mean_scale, axis=1) / (tl.cast(m, acc_t) * mean_scale)
+            mean = tl.reduce(x * mean_scale, 1, _add) / (tl.cast(m, acc_t) * mean_scale)
             xc = tl.where(mask, x - mean[:, None], 0.0)
-            var = tl.sum(xc * xc, axis=1) / m
+            var = tl.reduce(xc * xc, 1, _add) / m
             tl.store(Mean + chans, mean, mask=c_ok)
             tl.store(Var + chans, var, mask=c_ok)
         else:
@@ -277,15 +296,15 @@ def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps,
         tl.store(Y + (n_i * C * L + l_i)[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
         if USE_BATCH:
-            total = tl.zeros([BLOCK_C, BLOCK_M], dtype=acc_t)
+            total = tl.full([BLOCK_C, BLOCK_M], 0.0, acc_t)
             for off in range(0, m, BLOCK_M):
                 idx = off + tl.arange(0, BLOCK_M)
                 mask = c_ok[:, None] & (idx < m)[None, :]
                 sample = (idx // L).to(tl.int64) * stride_xn + (idx % L) * stride_xl
                 total += tl.load(X + sample[None, :], mask=mask,
                                  other=0.0).to(acc_t) * mean_scale
-            mean = tl.sum(total, axis=1) / (tl.cast(m, acc_t) * mean_scale)
-            sq = tl.zeros([BLOCK_C, BLOCK_M], dtype=acc_t)
+            mean = tl.reduce(total, 1, _add) / (tl.cast(m, acc_t) * mean_scale)
+            sq = tl.full([BLOCK_C, BLOCK_M], 0.0, acc_t)
             for off in range(0, m, BLOCK_M):
                 idx = off + tl.arange(0, BLOCK_M)
                 mask = c_ok[:, None] & (idx < m)[None, :]
@@ -293,7 +312,7 @@ def bn_fwd(X, Y, W, B, Mean, Var, stride_xn, stride_xc, stride_xl, N, C, L, eps,
                 x = tl.load(X + sample[None, :], mask=mask, other=0.0).to(acc_t)
                 xc = tl.where(mask, x - mean[:, None], 0.0)
                 sq += xc * xc
-            var = tl.sum(sq, axis=1) / m
+            var = tl.reduce(sq, 1, _add) / m
             tl.store(Mean + chans, mean, mask=c_ok)
             tl.store(Var + chans, var, mask=c_ok)
         else:
